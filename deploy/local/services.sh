@@ -1,0 +1,218 @@
+#!/usr/bin/env bash
+# Local PostgreSQL and Apache Kafka (KRaft, single node) for idem, without Docker.
+#
+#   deploy/local/services.sh up      start whatever is not already answering (idempotent)
+#   deploy/local/services.sh down    stop only what this script started (pid/marker files)
+#   deploy/local/services.sh status  say what answers
+#
+# PostgreSQL: postgres://idem:idem@127.0.0.1:5432/idem   (Debian's packages)
+# Kafka:      127.0.0.1:9092                              (jars from Maven Central, Java 17)
+#
+# State (jars, data, logs, pid files) lives outside the repo in $IDEM_LOCAL_DIR
+# (default ~/.cache/idem-local), so a fresh clone reuses what an earlier run fetched.
+set -euo pipefail
+
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+state=${IDEM_LOCAL_DIR:-$HOME/.cache/idem-local}
+kafka_dir=$state/kafka
+kafka_version=$(sed -n 's:.*<kafka.version>\(.*\)</kafka.version>.*:\1:p' "$here/kafka-pom.xml")
+# The jar cache is keyed by the pom's content: editing the pom fetches afresh.
+kafka_libs=$kafka_dir/libs-$kafka_version-$(sha256sum "$here/kafka-pom.xml" | cut -c1-12)
+pg_port=5432
+kafka_port=9092
+controller_port=9093
+
+log() { printf 'services: %s\n' "$*" >&2; }
+die() { printf 'services: error: %s\n' "$*" >&2; exit 1; }
+
+port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+
+# wait_for DESCRIPTION DEADLINE_SECONDS LOGFILE COMMAND...
+wait_for() {
+  local what=$1 secs=$2 logfile=$3
+  local deadline=$(( SECONDS + secs ))
+  shift 3
+  until "$@" >/dev/null 2>&1; do
+    if (( SECONDS >= deadline )); then
+      [ -f "$logfile" ] && tail -n 30 "$logfile" >&2
+      die "$what did not become ready within ${secs}s; see $logfile"
+    fi
+    sleep 0.5
+  done
+}
+
+# ---------------------------------------------------------------- PostgreSQL
+
+pg_ready() { pg_isready -q -h 127.0.0.1 -p "$pg_port"; }
+
+pg_as_superuser() { (cd / && runuser -u postgres -- psql -v ON_ERROR_STOP=1 -qAt -p "$pg_port" "$@"); }
+
+pg_up() {
+  mkdir -p "$state"
+  if ! pg_ready 2>/dev/null; then
+    if ! ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1; then
+      log "installing postgresql from Debian's packages"
+      export DEBIAN_FRONTEND=noninteractive
+      apt-get update -qq
+      apt-get install -y -qq postgresql >/dev/null
+    fi
+    local version
+    version=$(ls /usr/lib/postgresql | sort -V | tail -n 1)
+    if ! pg_lsclusters -h | awk -v v="$version" '$1 == v && $2 == "main"' | grep -q .; then
+      log "creating cluster $version/main"
+      pg_createcluster "$version" main -p "$pg_port" >/dev/null
+    fi
+    log "starting cluster $version/main"
+    pg_ctlcluster "$version" main start
+    echo "$version" > "$state/postgres.started"
+    wait_for "PostgreSQL" 60 "/var/log/postgresql/postgresql-$version-main.log" pg_ready
+  fi
+  if ! PGPASSWORD=idem psql -qAt -h 127.0.0.1 -p "$pg_port" -U idem -d idem -c 'select 1' >/dev/null 2>&1; then
+    if ! command -v runuser >/dev/null || ! id postgres >/dev/null 2>&1; then
+      die "a PostgreSQL server answers on 127.0.0.1:$pg_port but role/database idem is missing; create them (password idem)"
+    fi
+    log "creating role and database idem"
+    if [ -z "$(pg_as_superuser -c "select 1 from pg_roles where rolname = 'idem'")" ]; then
+      pg_as_superuser -c "create role idem login password 'idem'"
+    fi
+    if [ -z "$(pg_as_superuser -c "select 1 from pg_database where datname = 'idem'")" ]; then
+      pg_as_superuser -c "create database idem owner idem"
+    fi
+  fi
+  log "postgres ready: postgres://idem:idem@127.0.0.1:$pg_port/idem"
+}
+
+pg_down() {
+  if [ -f "$state/postgres.started" ]; then
+    pg_ctlcluster "$(cat "$state/postgres.started")" main stop || true
+    rm -f "$state/postgres.started"
+    log "postgres stopped"
+  fi
+}
+
+# --------------------------------------------------------------------- Kafka
+
+kafka_cp() { echo "$kafka_libs/*"; }
+
+kafka_java() { java -Xmx256m -Dlog4j2.configurationFile="$kafka_dir/log4j2.xml" -cp "$(kafka_cp)" "$@"; }
+
+# A metadata request through the broker's own admin client: the port alone opens before the
+# broker can answer.
+kafka_metadata_ok() {
+  timeout 30 java -Xmx256m -Dlog4j2.configurationFile="$kafka_dir/log4j2.xml" -cp "$(kafka_cp)" \
+    org.apache.kafka.tools.TopicCommand --bootstrap-server "127.0.0.1:$kafka_port" --list
+}
+
+kafka_ready() { port_open "$kafka_port" && kafka_metadata_ok; }
+
+kafka_fetch() {
+  local libs=$kafka_libs
+  [ -f "$libs/.complete" ] && return 0
+  command -v mvn >/dev/null || die "mvn is needed once to fetch the Kafka jars from Maven Central"
+  log "fetching Apache Kafka $kafka_version jars from Maven Central into $libs"
+  rm -rf "$libs"
+  mvn -q -B -f "$here/kafka-pom.xml" dependency:copy-dependencies \
+    -DincludeScope=runtime -DoutputDirectory="$libs" >&2
+  touch "$libs/.complete"
+}
+
+kafka_configure() {
+  mkdir -p "$kafka_dir/data" "$kafka_dir/logs"
+  cat > "$kafka_dir/server.properties" <<PROPS
+process.roles=broker,controller
+node.id=1
+controller.quorum.voters=1@127.0.0.1:$controller_port
+listeners=PLAINTEXT://127.0.0.1:$kafka_port,CONTROLLER://127.0.0.1:$controller_port
+advertised.listeners=PLAINTEXT://127.0.0.1:$kafka_port
+controller.listener.names=CONTROLLER
+inter.broker.listener.name=PLAINTEXT
+listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT
+log.dirs=$kafka_dir/data
+auto.create.topics.enable=false
+num.partitions=1
+default.replication.factor=1
+offsets.topic.replication.factor=1
+offsets.topic.num.partitions=8
+transaction.state.log.replication.factor=1
+transaction.state.log.min.isr=1
+share.coordinator.state.topic.replication.factor=1
+share.coordinator.state.topic.min.isr=1
+group.initial.rebalance.delay.ms=0
+log.flush.interval.messages=9223372036854775807
+PROPS
+  cat > "$kafka_dir/log4j2.xml" <<'XML'
+<?xml version="1.0" encoding="UTF-8"?>
+<Configuration status="WARN">
+  <Appenders>
+    <Console name="stdout" target="SYSTEM_OUT">
+      <PatternLayout pattern="[%d] %p %m (%c)%n"/>
+    </Console>
+  </Appenders>
+  <Loggers>
+    <Logger name="kafka" level="INFO"/>
+    <Logger name="org.apache.kafka" level="INFO"/>
+    <Root level="WARN"><AppenderRef ref="stdout"/></Root>
+  </Loggers>
+</Configuration>
+XML
+  if [ ! -f "$kafka_dir/data/meta.properties" ]; then
+    log "formatting KRaft storage in $kafka_dir/data"
+    local cluster_id
+    cluster_id=$(kafka_java kafka.tools.StorageTool random-uuid)
+    kafka_java kafka.tools.StorageTool format -t "$cluster_id" -c "$kafka_dir/server.properties" \
+      >"$kafka_dir/logs/format.log" 2>&1 || { cat "$kafka_dir/logs/format.log" >&2; die "kafka storage format failed"; }
+  fi
+}
+
+kafka_up() {
+  if port_open "$kafka_port"; then
+    wait_for "Kafka on 127.0.0.1:$kafka_port (already running)" 90 "$kafka_dir/logs/server.log" kafka_ready_existing
+    log "kafka ready: 127.0.0.1:$kafka_port"
+    return 0
+  fi
+  command -v java >/dev/null || die "java (17) is needed to run Kafka"
+  kafka_fetch
+  kafka_configure
+  log "starting Kafka $kafka_version (log: $kafka_dir/logs/server.log)"
+  nohup java -Xms512m -Xmx1g -XX:+UseG1GC -XX:MaxGCPauseMillis=20 -Djava.awt.headless=true \
+    -Dlog4j2.configurationFile="$kafka_dir/log4j2.xml" \
+    -cp "$(kafka_cp)" kafka.Kafka "$kafka_dir/server.properties" \
+    >>"$kafka_dir/logs/server.log" 2>&1 </dev/null &
+  echo $! > "$kafka_dir/kafka.pid"
+  wait_for "Kafka on 127.0.0.1:$kafka_port" 120 "$kafka_dir/logs/server.log" kafka_ready_started
+  log "kafka ready: 127.0.0.1:$kafka_port"
+}
+
+# Readiness of a broker we started: the process must still be alive, then a metadata request.
+kafka_ready_started() {
+  kill -0 "$(cat "$kafka_dir/kafka.pid")" 2>/dev/null || { tail -n 30 "$kafka_dir/logs/server.log" >&2; die "Kafka exited; see $kafka_dir/logs/server.log"; }
+  kafka_ready
+}
+
+# A broker somebody else runs: we may not have its jars yet, but fetch them to ask for metadata.
+kafka_ready_existing() { kafka_fetch; [ -f "$kafka_dir/log4j2.xml" ] || kafka_configure; kafka_ready; }
+
+kafka_down() {
+  local pidfile=$kafka_dir/kafka.pid
+  [ -f "$pidfile" ] || return 0
+  local pid
+  pid=$(cat "$pidfile")
+  if kill -0 "$pid" 2>/dev/null; then
+    kill -TERM "$pid"
+    for _ in $(seq 1 60); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
+    kill -0 "$pid" 2>/dev/null && kill -KILL "$pid"
+    log "kafka stopped"
+  fi
+  rm -f "$pidfile"
+}
+
+# ---------------------------------------------------------------------- main
+
+case "${1:-up}" in
+  up) pg_up; kafka_up ;;
+  down) kafka_down; pg_down ;;
+  status)
+    pg_ready 2>/dev/null && echo "postgres: ready on 127.0.0.1:$pg_port" || echo "postgres: not answering"
+    port_open "$kafka_port" && echo "kafka: listening on 127.0.0.1:$kafka_port" || echo "kafka: not answering" ;;
+  *) die "usage: $0 up|down|status" ;;
+esac
