@@ -1,0 +1,248 @@
+//! Consume and record: read action messages in batches, dead-letter bad ones, record every
+//! intent in one transaction per batch, and only then store the batch's offsets.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use deadpool_postgres::Pool;
+use rdkafka::consumer::{CommitMode, Consumer};
+use rdkafka::message::{BorrowedMessage, Header, Headers, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::Message;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::Config;
+use crate::db::DbError;
+use crate::event::{self, BadAction};
+use crate::execute::Executor;
+use crate::kafka::ActionConsumer;
+use crate::key;
+use crate::metrics::{Metrics, Origin};
+use crate::store::{self, Incoming, KeyedAction, Position};
+
+pub struct Consume {
+    pub config: Arc<Config>,
+    pub consumer: Arc<ActionConsumer>,
+    pub producer: FutureProducer,
+    pub pool: Pool,
+    pub executor: Arc<Executor>,
+    pub metrics: Arc<Metrics>,
+}
+
+impl Consume {
+    /// Runs until `shutdown`; the batch in hand is always finished and its offsets stored
+    /// before returning, then offsets are committed synchronously.
+    pub async fn run(self, shutdown: CancellationToken) {
+        let consumer = self.consumer.clone();
+        let linger = self.config.relay.batch_linger;
+        let max = self.config.relay.batch_size;
+        loop {
+            let first = tokio::select! {
+                biased;
+                _ = shutdown.cancelled() => break,
+                m = consumer.recv() => m,
+            };
+            let mut batch = Vec::with_capacity(max);
+            match first {
+                Ok(m) => batch.push(m),
+                Err(e) => {
+                    tracing::warn!(error = %e, "kafka consume error");
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                    continue;
+                }
+            }
+            let deadline = tokio::time::Instant::now() + linger;
+            while batch.len() < max {
+                match tokio::time::timeout_at(deadline, consumer.recv()).await {
+                    Ok(Ok(m)) => batch.push(m),
+                    Ok(Err(e)) => {
+                        tracing::warn!(error = %e, "kafka consume error");
+                        break;
+                    }
+                    Err(_) => break,
+                }
+            }
+            self.process(&batch, &shutdown).await;
+        }
+        if let Err(e) = consumer.commit_consumer_state(CommitMode::Sync) {
+            tracing::warn!(error = %e, "final offset commit failed; the next relay re-reads from the last commit");
+        }
+    }
+
+    async fn process(&self, batch: &[BorrowedMessage<'_>], shutdown: &CancellationToken) {
+        let items: Vec<Incoming> = batch.iter().map(|m| self.decode(m)).collect();
+
+        // Dead letters go out before the offsets move, so a poison message is never lost.
+        for (m, item) in batch.iter().zip(&items) {
+            if let Incoming::Rejected { message, code, .. } = item {
+                self.dead_letter(m, code, message).await;
+            }
+        }
+
+        let channel = store::outbox_channel(&self.config.postgres.schema);
+        let mut backoff = Duration::from_millis(50);
+        let result = loop {
+            match self.record(&items, &channel).await {
+                Ok(r) => break r,
+                Err(e) => {
+                    if shutdown.is_cancelled() && !e.is_transient() {
+                        return;
+                    }
+                    tracing::warn!(error = %e, messages = items.len(), "cannot record intents; retrying the batch");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(5));
+                }
+            }
+        };
+        fail::fail_point!("after-intent-commit");
+
+        // The intents are durable: now, and only now, may these offsets advance.
+        let mut high: BTreeMap<(&str, i32), i64> = BTreeMap::new();
+        for m in batch {
+            let e = high.entry((m.topic(), m.partition())).or_insert(m.offset());
+            *e = (*e).max(m.offset());
+        }
+        for ((topic, partition), offset) in high {
+            if let Err(e) = self.consumer.store_offset(topic, partition, offset) {
+                // The partition was revoked meanwhile; its next owner re-reads and dedupes.
+                tracing::debug!(error = %e, topic, partition, "offset not stored");
+            }
+        }
+
+        for (tool, origin) in &result.origins {
+            self.metrics.consumed(*origin);
+            match origin {
+                Origin::Redelivery | Origin::ProducerRetry | Origin::Replay | Origin::ModelRetry => {
+                    self.metrics.duplicate(tool, *origin)
+                }
+                Origin::Conflict => {
+                    self.metrics.conflict(tool);
+                    self.metrics.rejection(tool, "key_conflict");
+                }
+                Origin::First | Origin::DeadLetter => {}
+            }
+        }
+        for (id, tool) in &result.new_intents {
+            self.executor.dispatch(*id, tool).await;
+        }
+    }
+
+    async fn record(&self, items: &[Incoming], channel: &str) -> Result<store::BatchResult, DbError> {
+        let mut client = self.pool.get().await?;
+        let tx = client.transaction().await?;
+        let r = store::record_batch(&tx, items, channel).await?;
+        tx.commit().await?;
+        Ok(r)
+    }
+
+    fn decode(&self, m: &BorrowedMessage<'_>) -> Incoming {
+        let pos = Position {
+            topic: m.topic().to_string(),
+            partition: m.partition(),
+            offset: m.offset(),
+        };
+        let headers: Vec<(&str, &[u8])> = m
+            .headers()
+            .map(|h| h.iter().map(|h| (h.key, h.value.unwrap_or_default())).collect())
+            .unwrap_or_default();
+        let rejected = |bad: BadAction| Incoming::Rejected {
+            pos: pos.clone(),
+            code: bad.reason.as_str(),
+            message: bad.detail,
+            partial: bad.partial,
+        };
+        let event = match event::decode_action(m.payload(), m.key(), &headers, self.config.relay.max_message_bytes) {
+            Ok(e) => e,
+            Err(bad) => return rejected(bad),
+        };
+        let partial = || {
+            Some(event::PartialAction {
+                event_id: event.id.clone(),
+                run_id: event.data.run_id.clone(),
+                key: event
+                    .data
+                    .idempotency_key
+                    .clone()
+                    .or_else(|| m.key().and_then(|k| std::str::from_utf8(k).ok()).map(str::to_string))
+                    .unwrap_or_else(|| event.data.run_id.clone()),
+                tool: Some(event.data.tool.clone()),
+                step: event.data.step,
+            })
+        };
+        let Some(tool) = self.config.tool(&event.data.tool) else {
+            return Incoming::Rejected {
+                pos,
+                code: event::DeadLetterReason::UnknownTool.as_str(),
+                message: format!("tool {} is not configured", event.data.tool),
+                partial: partial(),
+            };
+        };
+        match key::derive_key(tool, &event.data) {
+            Ok(k) => Incoming::Action(Box::new(KeyedAction::new(pos, event, tool, k))),
+            Err(e) => {
+                let mut p = partial();
+                // An unusable key cannot name the answer; answer under the run id instead.
+                if let Some(p) = p.as_mut() {
+                    if key::validate_key(&p.key).is_err() {
+                        p.key = event.data.run_id.clone();
+                    }
+                    if key::validate_key(&p.key).is_err() {
+                        return Incoming::Rejected {
+                            pos,
+                            code: event::DeadLetterReason::InvalidKey.as_str(),
+                            message: e.to_string(),
+                            partial: None,
+                        };
+                    }
+                }
+                Incoming::Rejected {
+                    pos,
+                    code: event::DeadLetterReason::InvalidKey.as_str(),
+                    message: e.to_string(),
+                    partial: p,
+                }
+            }
+        }
+    }
+
+    /// Copies the original bytes and headers to the dead-letter topic with the reason; retried
+    /// until Kafka acknowledges, because the offset must not move past an unrecorded message.
+    async fn dead_letter(&self, m: &BorrowedMessage<'_>, reason: &str, detail: &str) {
+        let partition = m.partition().to_string();
+        let offset = m.offset().to_string();
+        let mut headers = OwnedHeaders::new();
+        if let Some(h) = m.headers() {
+            for h in h.iter() {
+                headers = headers.insert(Header { key: h.key, value: h.value });
+            }
+        }
+        let headers = headers
+            .insert(Header { key: "idem-dlq-reason", value: Some(reason) })
+            .insert(Header { key: "idem-dlq-detail", value: Some(detail) })
+            .insert(Header { key: "idem-source-topic", value: Some(m.topic()) })
+            .insert(Header { key: "idem-source-partition", value: Some(&partition) })
+            .insert(Header { key: "idem-source-offset", value: Some(&offset) });
+        let mut backoff = Duration::from_millis(100);
+        loop {
+            let mut record: FutureRecord<'_, [u8], [u8]> =
+                FutureRecord::to(&self.config.kafka.dlq_topic).headers(headers.clone());
+            if let Some(p) = m.payload() {
+                record = record.payload(p);
+            }
+            if let Some(k) = m.key() {
+                record = record.key(k);
+            }
+            match self.producer.send(record, Duration::from_secs(30)).await {
+                Ok(_) => break,
+                Err((e, _)) => {
+                    tracing::warn!(error = %e, "cannot write to the dead-letter topic; retrying");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(5));
+                }
+            }
+        }
+        self.metrics.dead_letter(reason);
+        tracing::warn!(reason, detail, topic = m.topic(), partition = m.partition(), offset = m.offset(), "action dead-lettered");
+    }
+}

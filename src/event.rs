@@ -1,0 +1,455 @@
+//! The wire contract: action events in (CloudEvents 1.0, structured or binary mode), outcome
+//! events out. Decoding errors carry the dead-letter reason they map to.
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+pub const ACTION_TYPE: &str = "dev.idem.action.v1";
+pub const OUTCOME_TYPE: &str = "dev.idem.outcome.v1";
+pub const OUTCOME_SOURCE: &str = "idem";
+pub const STRUCTURED_CONTENT_TYPE: &str = "application/cloudevents+json";
+
+/// Why an action message was dead-lettered: the `idem-dlq-reason` header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeadLetterReason {
+    NotJson,
+    NotCloudEvent,
+    SchemaInvalid,
+    UnknownTool,
+    Oversize,
+    InvalidKey,
+}
+
+impl DeadLetterReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DeadLetterReason::NotJson => "not_json",
+            DeadLetterReason::NotCloudEvent => "not_cloudevent",
+            DeadLetterReason::SchemaInvalid => "schema_invalid",
+            DeadLetterReason::UnknownTool => "unknown_tool",
+            DeadLetterReason::Oversize => "oversize",
+            DeadLetterReason::InvalidKey => "invalid_key",
+        }
+    }
+
+    /// The `error.code` of the rejected outcome sent when the run id and key can be read.
+    pub fn error_code(self) -> &'static str {
+        match self {
+            DeadLetterReason::UnknownTool => "unknown_tool",
+            DeadLetterReason::InvalidKey => "invalid_key",
+            _ => "schema_invalid",
+        }
+    }
+}
+
+/// A message that is not a usable action, with what could still be read of it.
+#[derive(Debug, Clone)]
+pub struct BadAction {
+    pub reason: DeadLetterReason,
+    pub detail: String,
+    /// Present when the event was readable far enough to answer it.
+    pub partial: Option<PartialAction>,
+}
+
+/// What a rejected outcome needs: enough to tell the producer which action failed.
+#[derive(Debug, Clone)]
+pub struct PartialAction {
+    pub event_id: String,
+    pub run_id: String,
+    pub key: String,
+    pub tool: Option<String>,
+    pub step: Option<i64>,
+}
+
+impl BadAction {
+    fn new(reason: DeadLetterReason, detail: impl Into<String>) -> Self {
+        Self {
+            reason,
+            detail: detail.into(),
+            partial: None,
+        }
+    }
+}
+
+/// A decoded action event.
+#[derive(Debug, Clone)]
+pub struct ActionEvent {
+    pub id: String,
+    pub source: String,
+    pub time: Option<String>,
+    pub traceparent: Option<String>,
+    pub data: ActionData,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ActionData {
+    pub run_id: String,
+    pub tool: String,
+    pub args: Map<String, Value>,
+    #[serde(default)]
+    pub step: Option<i64>,
+    #[serde(default)]
+    pub business_id: Option<String>,
+    #[serde(default)]
+    pub idempotency_key: Option<String>,
+}
+
+/// Kafka headers of one message, as (name, value) pairs.
+pub type Headers<'a> = [(&'a str, &'a [u8])];
+
+fn header<'a>(headers: &'a Headers<'a>, name: &str) -> Option<&'a [u8]> {
+    headers
+        .iter()
+        .find(|(n, _)| n.eq_ignore_ascii_case(name))
+        .map(|(_, v)| *v)
+}
+
+fn header_str(headers: &Headers<'_>, name: &str) -> Result<Option<String>, BadAction> {
+    match header(headers, name) {
+        None => Ok(None),
+        Some(v) => std::str::from_utf8(v).map(|s| Some(s.to_string())).map_err(|_| {
+            BadAction::new(
+                DeadLetterReason::NotCloudEvent,
+                format!("header {name} is not UTF-8"),
+            )
+        }),
+    }
+}
+
+/// Decodes one Kafka message. Binary mode when a `ce_specversion` header is present,
+/// structured mode otherwise.
+pub fn decode_action(
+    payload: Option<&[u8]>,
+    kafka_key: Option<&[u8]>,
+    headers: &Headers<'_>,
+    max_bytes: usize,
+) -> Result<ActionEvent, BadAction> {
+    let payload = payload.unwrap_or_default();
+    if payload.len() > max_bytes {
+        return Err(BadAction::new(
+            DeadLetterReason::Oversize,
+            format!(
+                "message is {} bytes; the limit is {max_bytes} (relay.max_message_bytes)",
+                payload.len()
+            ),
+        ));
+    }
+    let body: Value = serde_json::from_slice(payload)
+        .map_err(|e| BadAction::new(DeadLetterReason::NotJson, format!("payload is not JSON: {e}")))?;
+
+    let (id, source, ty, specversion, time, traceparent, data) =
+        if header(headers, "ce_specversion").is_some() {
+            (
+                header_str(headers, "ce_id")?,
+                header_str(headers, "ce_source")?,
+                header_str(headers, "ce_type")?,
+                header_str(headers, "ce_specversion")?,
+                header_str(headers, "ce_time")?,
+                header_str(headers, "ce_traceparent")?.or(header_str(headers, "traceparent")?),
+                Some(body),
+            )
+        } else {
+            let Value::Object(mut event) = body else {
+                return Err(BadAction::new(
+                    DeadLetterReason::NotCloudEvent,
+                    "payload is not a JSON object with CloudEvents attributes, and there are no ce_* headers",
+                ));
+            };
+            if !event.contains_key("specversion") {
+                return Err(BadAction::new(
+                    DeadLetterReason::NotCloudEvent,
+                    "no specversion attribute (structured mode) and no ce_specversion header (binary mode)",
+                ));
+            }
+            let mut text = |name: &str| -> Result<Option<String>, BadAction> {
+                match event.remove(name) {
+                    None | Some(Value::Null) => Ok(None),
+                    Some(Value::String(s)) => Ok(Some(s)),
+                    Some(_) => Err(BadAction::new(
+                        DeadLetterReason::NotCloudEvent,
+                        format!("attribute {name} must be a string"),
+                    )),
+                }
+            };
+            let id = text("id")?;
+            let source = text("source")?;
+            let ty = text("type")?;
+            let specversion = text("specversion")?;
+            let time = text("time")?;
+            let traceparent = match text("traceparent")? {
+                Some(t) => Some(t),
+                None => header_str(headers, "traceparent")?,
+            };
+            (id, source, ty, specversion, time, traceparent, event.remove("data"))
+        };
+
+    let need = |v: Option<String>, name: &str| {
+        v.filter(|s| !s.is_empty()).ok_or_else(|| {
+            BadAction::new(
+                DeadLetterReason::NotCloudEvent,
+                format!("required CloudEvents attribute {name} is missing or empty"),
+            )
+        })
+    };
+    let specversion = need(specversion, "specversion")?;
+    if specversion != "1.0" {
+        return Err(BadAction::new(
+            DeadLetterReason::NotCloudEvent,
+            format!("specversion is {specversion:?}; only 1.0 is understood"),
+        ));
+    }
+    let id = need(id, "id")?;
+    let source = need(source, "source")?;
+    let ty = need(ty, "type")?;
+
+    let data = data.unwrap_or(Value::Null);
+    // Read what we can before validating, so a schema-invalid event can still be answered.
+    let partial = partial_from(&id, &data, kafka_key);
+    let fail = |reason, detail: String| BadAction {
+        reason,
+        detail,
+        partial: partial.clone(),
+    };
+    if ty != ACTION_TYPE {
+        return Err(fail(
+            DeadLetterReason::SchemaInvalid,
+            format!("type is {ty:?}; expected {ACTION_TYPE:?}"),
+        ));
+    }
+    let data: ActionData = serde_json::from_value(data)
+        .map_err(|e| fail(DeadLetterReason::SchemaInvalid, format!("data: {e}")))?;
+    if data.run_id.is_empty() {
+        return Err(fail(DeadLetterReason::SchemaInvalid, "data.run_id must not be empty".into()));
+    }
+    if data.tool.is_empty() {
+        return Err(fail(DeadLetterReason::SchemaInvalid, "data.tool must not be empty".into()));
+    }
+    if data.step.is_some_and(|s| s < 0) {
+        return Err(fail(DeadLetterReason::SchemaInvalid, "data.step must be >= 0".into()));
+    }
+    if let Some(traceparent) = &traceparent {
+        if !valid_traceparent(traceparent) {
+            return Err(fail(
+                DeadLetterReason::SchemaInvalid,
+                format!("traceparent {traceparent:?} is not W3C trace context"),
+            ));
+        }
+    }
+    Ok(ActionEvent {
+        id,
+        source,
+        time,
+        traceparent,
+        data,
+    })
+}
+
+fn partial_from(event_id: &str, data: &Value, kafka_key: Option<&[u8]>) -> Option<PartialAction> {
+    let run_id = data.get("run_id")?.as_str().filter(|s| !s.is_empty())?.to_string();
+    let key = data
+        .get("idempotency_key")
+        .and_then(Value::as_str)
+        .map(str::to_string)
+        // The producer keys its messages by the idempotency key (or the run id).
+        .or_else(|| kafka_key.and_then(|k| std::str::from_utf8(k).ok()).map(str::to_string))
+        .unwrap_or_else(|| run_id.clone());
+    Some(PartialAction {
+        event_id: event_id.to_string(),
+        run_id,
+        key,
+        tool: data.get("tool").and_then(Value::as_str).map(str::to_string),
+        step: data.get("step").and_then(Value::as_i64),
+    })
+}
+
+fn valid_traceparent(t: &str) -> bool {
+    let parts: Vec<&str> = t.split('-').collect();
+    let hex = |s: &str, n: usize| s.len() == n && s.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'));
+    parts.len() == 4 && hex(parts[0], 2) && hex(parts[1], 32) && hex(parts[2], 16) && hex(parts[3], 2)
+}
+
+/// Status of a key as reported in outcome events.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OutcomeStatus {
+    Succeeded,
+    Failed,
+    Unknown,
+    PendingApproval,
+    Rejected,
+}
+
+impl OutcomeStatus {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OutcomeStatus::Succeeded => "succeeded",
+            OutcomeStatus::Failed => "failed",
+            OutcomeStatus::Unknown => "unknown",
+            OutcomeStatus::PendingApproval => "pending_approval",
+            OutcomeStatus::Rejected => "rejected",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "succeeded" => OutcomeStatus::Succeeded,
+            "failed" => OutcomeStatus::Failed,
+            "unknown" => OutcomeStatus::Unknown,
+            "pending_approval" => OutcomeStatus::PendingApproval,
+            "rejected" => OutcomeStatus::Rejected,
+            _ => return None,
+        })
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct OutcomeError {
+    pub code: String,
+    pub message: String,
+    pub retryable: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fields: Option<Vec<String>>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct OutcomeData {
+    pub idempotency_key: String,
+    pub run_id: Option<String>,
+    pub step: Option<i64>,
+    pub tool: Option<String>,
+    pub action_event_id: String,
+    pub status: OutcomeStatus,
+    pub result: Option<Value>,
+    pub error: Option<OutcomeError>,
+    pub duplicate: bool,
+    pub attempts: i32,
+    pub note: String,
+}
+
+/// A ready-to-publish outcome: its stable id, Kafka key and CloudEvents JSON.
+#[derive(Debug, Clone)]
+pub struct Outcome {
+    pub event_id: String,
+    pub key: String,
+    pub payload: Value,
+    pub traceparent: Option<String>,
+}
+
+/// Stable outcome id: the same (key, answer) always gets the same id, so a republished
+/// outcome is recognisable and consumers can dedupe on it.
+pub fn outcome_id(key: &str, answer: &str) -> String {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    h.update(key.as_bytes());
+    h.update([0]);
+    h.update(answer.as_bytes());
+    let digest = h.finalize();
+    let hex = hex::encode(&digest[..16]);
+    format!("{}-{}-{}-{}-{}", &hex[..8], &hex[8..12], &hex[12..16], &hex[16..20], &hex[20..32])
+}
+
+impl Outcome {
+    pub fn new(event_id: String, data: OutcomeData, time: chrono::DateTime<chrono::Utc>, traceparent: Option<String>) -> Self {
+        let key = data.idempotency_key.clone();
+        let mut payload = serde_json::json!({
+            "specversion": "1.0",
+            "type": OUTCOME_TYPE,
+            "source": OUTCOME_SOURCE,
+            "id": event_id,
+            "subject": key,
+            "time": time.to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
+            "datacontenttype": "application/json",
+            "data": data,
+        });
+        if let Some(t) = &traceparent {
+            payload["traceparent"] = Value::String(t.clone());
+        }
+        Outcome {
+            event_id,
+            key,
+            payload,
+            traceparent,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    const MAX: usize = 1 << 20;
+
+    fn structured(data: Value) -> Vec<u8> {
+        serde_json::to_vec(&json!({
+            "specversion": "1.0", "id": "evt-1", "source": "agent", "type": ACTION_TYPE, "data": data
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn structured_mode_decodes() {
+        let body = structured(json!({"run_id": "r1", "tool": "send_email", "args": {"to": "a"}, "step": 4}));
+        let e = decode_action(Some(&body), None, &[], MAX).unwrap();
+        assert_eq!(e.id, "evt-1");
+        assert_eq!(e.data.run_id, "r1");
+        assert_eq!(e.data.step, Some(4));
+        assert_eq!(e.data.args["to"], "a");
+    }
+
+    #[test]
+    fn binary_mode_decodes() {
+        let body = serde_json::to_vec(&json!({"run_id": "r1", "tool": "t", "args": {}})).unwrap();
+        let headers: Vec<(&str, &[u8])> = vec![
+            ("ce_specversion", b"1.0"),
+            ("ce_id", b"evt-9"),
+            ("ce_source", b"agent"),
+            ("ce_type", ACTION_TYPE.as_bytes()),
+            ("content-type", b"application/json"),
+        ];
+        let e = decode_action(Some(&body), None, &headers, MAX).unwrap();
+        assert_eq!(e.id, "evt-9");
+        assert_eq!(e.data.tool, "t");
+    }
+
+    #[test]
+    fn each_bad_input_has_its_reason() {
+        let cases: Vec<(Vec<u8>, DeadLetterReason)> = vec![
+            (b"not json {".to_vec(), DeadLetterReason::NotJson),
+            (b"[1,2]".to_vec(), DeadLetterReason::NotCloudEvent),
+            (br#"{"hello":"world"}"#.to_vec(), DeadLetterReason::NotCloudEvent),
+            (br#"{"specversion":"0.3","id":"x","source":"s","type":"t"}"#.to_vec(), DeadLetterReason::NotCloudEvent),
+            (structured(json!({"run_id": "r1", "tool": "t"})), DeadLetterReason::SchemaInvalid),
+            (structured(json!({"run_id": "r1", "tool": "t", "args": [], "extra": 1})), DeadLetterReason::SchemaInvalid),
+            (vec![b' '; MAX + 1], DeadLetterReason::Oversize),
+        ];
+        for (body, reason) in cases {
+            let e = decode_action(Some(&body), None, &[], MAX).unwrap_err();
+            assert_eq!(e.reason, reason, "{}", String::from_utf8_lossy(&body[..body.len().min(80)]));
+            assert!(!e.detail.is_empty());
+        }
+    }
+
+    #[test]
+    fn schema_invalid_keeps_what_it_could_read() {
+        let body = structured(json!({"run_id": "r1", "tool": "t", "idempotency_key": "k1"}));
+        let e = decode_action(Some(&body), None, &[], MAX).unwrap_err();
+        let p = e.partial.expect("partial");
+        assert_eq!((p.run_id.as_str(), p.key.as_str(), p.event_id.as_str()), ("r1", "k1", "evt-1"));
+    }
+
+    #[test]
+    fn outcome_ids_are_stable_and_distinct() {
+        assert_eq!(outcome_id("k", "status:1"), outcome_id("k", "status:1"));
+        assert_ne!(outcome_id("k", "status:1"), outcome_id("k", "status:2"));
+        assert_ne!(outcome_id("k", "status:1"), outcome_id("k2", "status:1"));
+        assert_eq!(outcome_id("k", "x").len(), 36);
+    }
+
+    #[test]
+    fn traceparent_is_checked() {
+        assert!(valid_traceparent("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"));
+        assert!(!valid_traceparent("00-xyz-00f067aa0ba902b7-01"));
+    }
+}

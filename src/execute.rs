@@ -1,0 +1,543 @@
+//! Execute: claim an intent, perform its side effect, record the outcome with its outbox row.
+//!
+//! Concurrency is bounded globally and per tool, so a slow downstream holds only its own
+//! permits; the consumer is never blocked by a call, only by the bounded queue of intents
+//! waiting for a permit. A key runs at most once at a time: intents are unique per key and a
+//! claim is an atomic `pending → running` transition carrying a fencing epoch.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use deadpool_postgres::Pool;
+use rand::Rng;
+use serde_json::{json, Value};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::{Config, Executor as ExecutorKind, RetryPolicy, SqlParam, Tool, ToolClass};
+use crate::db::{self, DbError};
+use crate::event::{ActionData, OutcomeError, OutcomeStatus};
+use crate::http::{self, Attempt};
+use crate::key;
+use crate::metrics::Metrics;
+use crate::store::{self, Claimed, FinishError, Settled};
+
+/// Intents that may wait for a permit at once; past this the consumer waits.
+const QUEUE_PER_PERMIT: usize = 4;
+
+pub struct Executor {
+    pool: Pool,
+    tools: HashMap<String, Arc<Tool>>,
+    tool_permits: HashMap<String, Arc<Semaphore>>,
+    permits: Arc<Semaphore>,
+    queue: Arc<Semaphore>,
+    http: reqwest::Client,
+    metrics: Arc<Metrics>,
+    owner: String,
+    lease: Duration,
+    channel: String,
+    /// Intents queued or running here, so recovery does not queue them twice.
+    local: Mutex<HashSet<i64>>,
+    tasks: Mutex<JoinSet<()>>,
+}
+
+impl Executor {
+    pub fn new(config: &Config, pool: Pool, metrics: Arc<Metrics>) -> Arc<Self> {
+        let tools: HashMap<String, Arc<Tool>> = config
+            .tools
+            .iter()
+            .map(|t| (t.name.clone(), Arc::new(t.clone())))
+            .collect();
+        let tool_permits = config
+            .tools
+            .iter()
+            .map(|t| (t.name.clone(), Arc::new(Semaphore::new(t.concurrency))))
+            .collect();
+        let http = reqwest::Client::builder()
+            .connect_timeout(Duration::from_secs(5))
+            .pool_max_idle_per_host(config.relay.concurrency)
+            .build()
+            .expect("http client builds");
+        Arc::new(Executor {
+            pool,
+            tools,
+            tool_permits,
+            permits: Arc::new(Semaphore::new(config.relay.concurrency)),
+            queue: Arc::new(Semaphore::new(config.relay.concurrency * QUEUE_PER_PERMIT)),
+            http,
+            metrics,
+            owner: config.relay.instance_id.clone(),
+            lease: config.relay.lease,
+            channel: store::outbox_channel(&config.postgres.schema),
+            local: Mutex::new(HashSet::new()),
+            tasks: Mutex::new(JoinSet::new()),
+        })
+    }
+
+    /// Queues an intent for execution, waiting while the queue is full.
+    pub async fn dispatch(self: &Arc<Self>, id: i64, tool: &str) {
+        if !self.local.lock().expect("not poisoned").insert(id) {
+            return;
+        }
+        let slot = self.queue.clone().acquire_owned().await.expect("queue semaphore never closes");
+        let this = self.clone();
+        let tool = tool.to_string();
+        let mut tasks = self.tasks.lock().expect("not poisoned");
+        // Reap finished tasks so the set stays the size of the work in flight.
+        while tasks.try_join_next().is_some() {}
+        tasks.spawn(async move {
+            this.run(id, &tool, slot).await;
+            this.local.lock().expect("not poisoned").remove(&id);
+        });
+    }
+
+    async fn run(&self, id: i64, tool: &str, slot: OwnedSemaphorePermit) {
+        let tool_permit = match self.tool_permits.get(tool) {
+            Some(s) => Some(s.clone().acquire_owned().await.expect("never closed")),
+            None => None,
+        };
+        let permit = self.permits.clone().acquire_owned().await.expect("never closed");
+        drop(slot);
+        let mut backoff = Duration::from_millis(50);
+        // Database trouble is retried: the intent is durable, and giving up would strand it
+        // until recovery, which would treat the call as ambiguous.
+        loop {
+            match self.execute(id).await {
+                Ok(()) => break,
+                Err(ExecError::Fenced) => {
+                    tracing::warn!(intent = id, "lease lost to another relay; result not recorded");
+                    break;
+                }
+                Err(ExecError::Db(e)) if e.is_transient() => {
+                    tracing::warn!(intent = id, error = %e, "database unavailable; retrying");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(5));
+                }
+                Err(ExecError::Db(e)) => {
+                    tracing::error!(intent = id, error = %e, "cannot record outcome; recovery will retry");
+                    break;
+                }
+            }
+        }
+        drop(permit);
+        drop(tool_permit);
+    }
+
+    async fn execute(&self, id: i64) -> Result<(), ExecError> {
+        let client = self.pool.get().await.map_err(DbError::from)?;
+        let Some(claimed) = store::claim(&**client, id, &self.owner, self.lease.as_secs_f64()).await? else {
+            return Ok(()); // somebody else has it, or it is already settled
+        };
+        drop(client);
+        let span = tracing::info_span!("action", key = %claimed.key, tool = %claimed.tool, run_id = %claimed.run_id);
+        let _enter = span.enter();
+        let Some(tool) = self.tools.get(&claimed.tool).cloned() else {
+            let settled = Settled {
+                status: OutcomeStatus::Rejected,
+                result: None,
+                error: Some(OutcomeError {
+                    code: "unknown_tool".into(),
+                    message: format!("tool {} is no longer configured", claimed.tool),
+                    retryable: false,
+                    fields: None,
+                }),
+                attempts: 0,
+            };
+            return self.record(&claimed, &settled, None).await;
+        };
+        self.metrics.inflight.inc();
+        let result = match &tool.executor {
+            ExecutorKind::Http(_) => {
+                let settled = self.call_http(&tool, &claimed).await;
+                self.record(&claimed, &settled, None).await
+            }
+            ExecutorKind::Sql(_) => self.record(&claimed, &Settled::placeholder(), Some(&tool)).await,
+        };
+        self.metrics.inflight.dec();
+        result
+    }
+
+    /// Runs the http call with the tool's retry policy. Retries only when the effect
+    /// certainly did not happen, or when the tool is idempotent.
+    async fn call_http(&self, tool: &Tool, c: &Claimed) -> Settled {
+        let ExecutorKind::Http(exec) = &tool.executor else { unreachable!("http tool") };
+        let data = action_data(c);
+        let url = http::fill_url(&exec.url, &c.key, &data);
+        let mut attempts = 0;
+        loop {
+            attempts += 1;
+            let (attempt, took) = http::call(&self.http, exec, &url, &c.key, &c.args, c.traceparent.as_deref()).await;
+            self.metrics.side_effect_duration(&tool.name, took.as_secs_f64());
+            let last = attempts >= tool.retry.max_attempts as i32;
+            let wait = match &attempt {
+                Attempt::Succeeded(result) => {
+                    self.metrics.side_effect(&tool.name);
+                    return Settled::new(OutcomeStatus::Succeeded, Some(result.clone()), None, attempts);
+                }
+                Attempt::Failed { status, body } => {
+                    return Settled::new(
+                        OutcomeStatus::Failed,
+                        Some(body.clone()),
+                        Some(error("downstream_rejected", format!("the downstream answered {status}"), false)),
+                        attempts,
+                    );
+                }
+                Attempt::Retry { status, retry_after } => {
+                    if last {
+                        return Settled::new(
+                            OutcomeStatus::Failed,
+                            None,
+                            Some(error(
+                                "downstream_unavailable",
+                                format!("the downstream answered {status} on each of {attempts} attempts"),
+                                true,
+                            )),
+                            attempts,
+                        );
+                    }
+                    backoff(&tool.retry, attempts as u32, *retry_after)
+                }
+                Attempt::NotSent(reason) => {
+                    if last {
+                        return Settled::new(
+                            OutcomeStatus::Failed,
+                            None,
+                            Some(error(
+                                "downstream_unreachable",
+                                format!("{reason} (after {attempts} attempts)"),
+                                true,
+                            )),
+                            attempts,
+                        );
+                    }
+                    backoff(&tool.retry, attempts as u32, None)
+                }
+                Attempt::Ambiguous(reason) => {
+                    if tool.class == ToolClass::Dangerous || last {
+                        // Never a blind retry of a dangerous write: the outcome stays unknown.
+                        self.metrics.unknown_outcome(&tool.name);
+                        return Settled::new(
+                            OutcomeStatus::Unknown,
+                            None,
+                            Some(error("outcome_unknown", reason.clone(), false)),
+                            attempts,
+                        );
+                    }
+                    backoff(&tool.retry, attempts as u32, None)
+                }
+            };
+            self.metrics.retry(&tool.name, attempt.retry_reason());
+            tracing::info!(attempt = attempts, wait_ms = wait.as_millis() as u64, reason = attempt.retry_reason(), "retrying");
+            tokio::time::sleep(wait).await;
+        }
+    }
+
+    /// Finishes the intent in one transaction: for the sql executor the statement runs in it
+    /// too, so the effect and its record commit together or not at all.
+    async fn record(&self, c: &Claimed, settled: &Settled, sql_tool: Option<&Tool>) -> Result<(), ExecError> {
+        let mut client = self.pool.get().await.map_err(DbError::from)?;
+        let tx = client.transaction().await.map_err(DbError::from)?;
+        let settled = match sql_tool {
+            None => settled.clone(),
+            Some(tool) => run_sql(&tx, tool, c).await?,
+        };
+        fail::fail_point!("before-outcome-commit");
+        let state = match store::finish(&tx, c.id, c.epoch, &settled, &self.channel).await {
+            Ok(state) => state,
+            Err(FinishError::Fenced(_)) => return Err(ExecError::Fenced),
+            Err(FinishError::Db(e)) => return Err(ExecError::Db(e)),
+        };
+        tx.commit().await.map_err(DbError::from)?;
+        if sql_tool.is_some() && settled.status == OutcomeStatus::Succeeded {
+            self.metrics.side_effect(&state.tool);
+        }
+        self.metrics.outcome(&state.tool, settled.status.as_str());
+        self.metrics.attempts(settled.attempts.max(0) as u32);
+        if let Some(e) = &settled.error {
+            if settled.status == OutcomeStatus::Rejected {
+                self.metrics.rejection(&state.tool, &e.code);
+            }
+        }
+        let latency = (chrono::Utc::now() - c.started).num_milliseconds().max(0) as f64 / 1000.0;
+        self.metrics.action_latency(&state.tool, latency);
+        tracing::info!(status = settled.status.as_str(), attempts = state.attempts, "outcome recorded");
+        Ok(())
+    }
+
+    /// Extends the leases of every call this relay runs, until cancelled.
+    pub async fn keep_leases(self: Arc<Self>, shutdown: CancellationToken) {
+        let every = self.lease / 3;
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tokio::time::sleep(every) => {}
+            }
+            match self.pool.get().await {
+                Ok(client) => {
+                    if let Err(e) = store::extend_leases(&**client, &self.owner, self.lease.as_secs_f64()).await {
+                        tracing::warn!(error = %e, "cannot extend leases");
+                    }
+                }
+                Err(e) => tracing::warn!(error = %e, "cannot extend leases"),
+            }
+        }
+    }
+
+    /// Finds intents left behind by a crash or an expired lease and finishes them. Safe in every
+    /// relay at once: rows are locked with SKIP LOCKED.
+    pub async fn recover(self: Arc<Self>, interval: Duration, shutdown: CancellationToken) {
+        loop {
+            match self.recover_once().await {
+                Ok(n) if n > 0 => tracing::info!(recovered = n, "recovered intents"),
+                Ok(_) => {}
+                Err(e) => tracing::warn!(error = %e, "recovery sweep failed"),
+            }
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tokio::time::sleep(interval) => {}
+            }
+        }
+    }
+
+    pub async fn recover_once(self: &Arc<Self>) -> Result<usize, DbError> {
+        let mut client = self.pool.get().await?;
+        if let Ok(counts) = store::parked_counts(&**client).await {
+            for status in ["unknown", "pending_approval"] {
+                let n = counts.iter().find(|(s, _)| s == status).map_or(0, |(_, n)| *n);
+                self.metrics.parked(status, n);
+            }
+        }
+        let tx = client.transaction().await?;
+        let orphans = store::orphans(&tx, 2.0, 500).await?;
+        let mut redispatch = Vec::new();
+        for o in &orphans {
+            if self.local.lock().expect("not poisoned").contains(&o.id) {
+                continue;
+            }
+            let tool = self.tools.get(&o.tool);
+            let dangerous_http = o.class == ToolClass::Dangerous.as_str()
+                && tool.is_none_or(|t| matches!(t.executor, ExecutorKind::Http(_)));
+            if o.was_running && dangerous_http {
+                // The call began and its end was never recorded: it may have happened.
+                let epoch = store::take_over(&tx, o.id, &self.owner).await?;
+                let settled = Settled::new(
+                    OutcomeStatus::Unknown,
+                    None,
+                    Some(error(
+                        "outcome_unknown",
+                        "the relay running this call stopped before recording its result".into(),
+                        false,
+                    )),
+                    0,
+                );
+                match store::finish(&tx, o.id, epoch, &settled, &self.channel).await {
+                    Ok(_) => {
+                        self.metrics.unknown_outcome(&o.tool);
+                        self.metrics.outcome(&o.tool, "unknown");
+                    }
+                    Err(FinishError::Fenced(_)) => {}
+                    Err(FinishError::Db(e)) => return Err(e),
+                }
+            } else {
+                if o.was_running {
+                    // sql effects roll back with their transaction; other classes may repeat.
+                    store::release(&tx, o.id).await?;
+                }
+                redispatch.push((o.id, o.tool.clone()));
+            }
+        }
+        tx.commit().await?;
+        for (id, tool) in &redispatch {
+            self.dispatch(*id, tool).await;
+        }
+        Ok(orphans.len())
+    }
+
+    /// Waits for queued and running calls, up to `grace`; what is left is aborted and its
+    /// lease left to expire, so recovery (here or in another relay) settles it.
+    pub async fn drain(&self, grace: Duration) {
+        let mut tasks = std::mem::take(&mut *self.tasks.lock().expect("not poisoned"));
+        let deadline = tokio::time::Instant::now() + grace;
+        loop {
+            match tokio::time::timeout_at(deadline, tasks.join_next()).await {
+                Ok(Some(_)) => continue,
+                Ok(None) => return,
+                Err(_) => {
+                    tracing::warn!(left = tasks.len(), "shutdown grace over; leaving calls to recovery");
+                    tasks.abort_all();
+                    return;
+                }
+            }
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+enum ExecError {
+    #[error("fenced")]
+    Fenced,
+    #[error(transparent)]
+    Db(#[from] DbError),
+}
+
+impl From<tokio_postgres::Error> for ExecError {
+    fn from(e: tokio_postgres::Error) -> Self {
+        ExecError::Db(DbError::Postgres(e))
+    }
+}
+
+impl Settled {
+    fn new(status: OutcomeStatus, result: Option<Value>, error: Option<OutcomeError>, attempts: i32) -> Self {
+        Settled {
+            status,
+            result,
+            error,
+            attempts,
+        }
+    }
+
+    fn placeholder() -> Self {
+        Settled::new(OutcomeStatus::Unknown, None, None, 0)
+    }
+}
+
+fn error(code: &str, message: String, retryable: bool) -> OutcomeError {
+    OutcomeError {
+        code: code.into(),
+        message,
+        retryable,
+        fields: None,
+    }
+}
+
+fn action_data(c: &Claimed) -> ActionData {
+    ActionData {
+        run_id: c.run_id.clone(),
+        tool: c.tool.clone(),
+        args: c.args.clone(),
+        step: c.step,
+        business_id: c.business_id.clone(),
+        idempotency_key: Some(c.key.clone()),
+    }
+}
+
+/// Exponential backoff with full jitter; a `Retry-After` is honoured up to the cap.
+pub fn backoff(policy: &RetryPolicy, attempt: u32, retry_after: Option<Duration>) -> Duration {
+    if let Some(after) = retry_after {
+        return after.min(policy.max_backoff);
+    }
+    let exp = policy
+        .initial_backoff
+        .saturating_mul(1u32 << attempt.saturating_sub(1).min(20))
+        .min(policy.max_backoff);
+    let ms = exp.as_millis() as u64;
+    Duration::from_millis(rand::rng().random_range(0..=ms))
+}
+
+/// Runs a sql tool's statement inside the outcome transaction, under a savepoint so a failing
+/// statement becomes a `failed` outcome instead of aborting the record.
+async fn run_sql(tx: &tokio_postgres::Transaction<'_>, tool: &Tool, c: &Claimed) -> Result<Settled, ExecError> {
+    let ExecutorKind::Sql(exec) = &tool.executor else { unreachable!("sql tool") };
+    let data = action_data(c);
+    let values: Vec<Value> = exec
+        .params
+        .iter()
+        .map(|p| match p {
+            SqlParam::Key => Value::String(c.key.clone()),
+            SqlParam::Field(f) => key::field(&data, f).to_json(),
+        })
+        .collect();
+    // Parameters travel as text and are cast by the statement (`$2::numeric`), so any column
+    // type works without idem knowing it.
+    let texts: Vec<Option<String>> = values
+        .iter()
+        .map(|v| match v {
+            Value::Null => None,
+            Value::String(s) => Some(s.clone()),
+            other => Some(other.to_string()),
+        })
+        .collect();
+    let params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> =
+        texts.iter().map(|t| t as &(dyn tokio_postgres::types::ToSql + Sync)).collect();
+    tx.batch_execute("savepoint idem_tool").await?;
+    let started = Instant::now();
+    let typed = tx
+        .prepare_typed(&exec.statement, &vec![tokio_postgres::types::Type::TEXT; texts.len()])
+        .await;
+    let outcome = match typed {
+        Ok(stmt) => tx.query(&stmt, &params).await,
+        Err(e) => Err(e),
+    };
+    let settled = match outcome {
+        Ok(rows) => {
+            tx.batch_execute("release savepoint idem_tool").await?;
+            let result = rows.first().map(row_json).unwrap_or(Value::Null);
+            Settled::new(OutcomeStatus::Succeeded, Some(result), None, 1)
+        }
+        Err(e) => {
+            tx.batch_execute("rollback to savepoint idem_tool").await?;
+            let state = db::sqlstate(&e).unwrap_or_default();
+            Settled::new(
+                OutcomeStatus::Failed,
+                None,
+                Some(error(
+                    "downstream_rejected",
+                    format!("the statement failed with SQLSTATE {state}: {}", e.as_db_error().map_or_else(|| e.to_string(), |d| d.message().to_string())),
+                    false,
+                )),
+                1,
+            )
+        }
+    };
+    tracing::debug!(took_ms = started.elapsed().as_millis() as u64, "sql executed");
+    Ok(settled)
+}
+
+/// A result row as a JSON object; each column read as text (`::text` in the statement for
+/// exotic types), JSON columns kept as JSON.
+fn row_json(row: &tokio_postgres::Row) -> Value {
+    use tokio_postgres::types::Type;
+    let mut m = serde_json::Map::new();
+    for (i, col) in row.columns().iter().enumerate() {
+        let t = col.type_();
+        let v = if *t == Type::JSON || *t == Type::JSONB {
+            row.try_get::<_, Option<Value>>(i).ok().flatten().unwrap_or(Value::Null)
+        } else if *t == Type::INT2 {
+            row.try_get::<_, Option<i16>>(i).ok().flatten().map_or(Value::Null, |n| json!(n))
+        } else if *t == Type::INT4 {
+            row.try_get::<_, Option<i32>>(i).ok().flatten().map_or(Value::Null, |n| json!(n))
+        } else if *t == Type::INT8 {
+            row.try_get::<_, Option<i64>>(i).ok().flatten().map_or(Value::Null, |n| json!(n))
+        } else if *t == Type::BOOL {
+            row.try_get::<_, Option<bool>>(i).ok().flatten().map_or(Value::Null, |b| json!(b))
+        } else if *t == Type::FLOAT8 {
+            row.try_get::<_, Option<f64>>(i).ok().flatten().map_or(Value::Null, |n| json!(n))
+        } else {
+            row.try_get::<_, Option<String>>(i).ok().flatten().map_or(Value::Null, Value::String)
+        };
+        m.insert(col.name().to_string(), v);
+    }
+    Value::Object(m)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_is_bounded_and_honours_retry_after() {
+        let p = RetryPolicy {
+            max_attempts: 5,
+            initial_backoff: Duration::from_millis(100),
+            max_backoff: Duration::from_secs(1),
+        };
+        for attempt in 1..30 {
+            assert!(backoff(&p, attempt, None) <= Duration::from_secs(1));
+        }
+        assert!(backoff(&p, 1, None) <= Duration::from_millis(100));
+        assert_eq!(backoff(&p, 1, Some(Duration::from_millis(700))), Duration::from_millis(700));
+        assert_eq!(backoff(&p, 1, Some(Duration::from_secs(60))), Duration::from_secs(1));
+    }
+}

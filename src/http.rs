@@ -1,0 +1,182 @@
+//! The http executor: one call of a downstream, classified by what is known of its effect.
+
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Map, Value};
+
+use crate::config::{FieldPath, HttpExecutor, StatusClass};
+use crate::key;
+
+/// What one HTTP attempt tells about the effect.
+#[derive(Debug)]
+pub enum Attempt {
+    Succeeded(Value),
+    /// The downstream refused; the effect certainly did not happen.
+    Failed { status: u16, body: Value },
+    /// Nothing was processed (429/503 and friends); may be retried, after `retry_after` if given.
+    Retry { status: u16, retry_after: Option<Duration> },
+    /// The request never reached the downstream (connection refused, DNS, connect timeout).
+    NotSent(String),
+    /// The request was sent and the effect may have happened: timeout, reset, 5xx.
+    Ambiguous(String),
+}
+
+impl Attempt {
+    /// Label for `idem_retries_total{reason}`.
+    pub fn retry_reason(&self) -> &'static str {
+        match self {
+            Attempt::Retry { status: 429, .. } => "throttled",
+            Attempt::Retry { .. } => "unavailable",
+            Attempt::NotSent(_) => "not_sent",
+            Attempt::Ambiguous(_) => "ambiguous",
+            _ => "none",
+        }
+    }
+}
+
+/// Fills `{key}` and `{args.x}` placeholders, URL-encoded.
+pub fn fill_url(template: &str, idem_key: &str, data: &crate::event::ActionData) -> String {
+    let mut out = String::with_capacity(template.len() + idem_key.len());
+    let mut rest = template;
+    while let Some(start) = rest.find('{') {
+        let Some(len) = rest[start..].find('}') else { break };
+        out.push_str(&rest[..start]);
+        let name = &rest[start + 1..start + len];
+        let value = if name == "key" {
+            idem_key.to_string()
+        } else {
+            match key::field(data, &FieldPath(name.to_string())).to_json() {
+                Value::String(s) => s,
+                Value::Null => String::new(),
+                other => other.to_string(),
+            }
+        };
+        out.push_str(&percent_encode(&value));
+        rest = &rest[start + len + 1..];
+    }
+    out.push_str(rest);
+    out
+}
+
+fn percent_encode(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'~') {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+fn body_value(status: u16, bytes: &[u8]) -> Value {
+    match serde_json::from_slice::<Value>(bytes) {
+        Ok(v) => v,
+        Err(_) => json!({"status": status, "body": String::from_utf8_lossy(bytes)}),
+    }
+}
+
+fn retry_after(headers: &reqwest::header::HeaderMap) -> Option<Duration> {
+    let v = headers.get(reqwest::header::RETRY_AFTER)?.to_str().ok()?;
+    v.trim().parse::<u64>().ok().map(Duration::from_secs)
+}
+
+/// One attempt. The key goes downstream as `Idempotency-Key`, the same on every attempt.
+pub async fn call(
+    client: &reqwest::Client,
+    exec: &HttpExecutor,
+    url: &str,
+    idem_key: &str,
+    args: &Map<String, Value>,
+    traceparent: Option<&str>,
+) -> (Attempt, Duration) {
+    let started = Instant::now();
+    let mut req = client
+        .request(exec.method.clone(), url)
+        .timeout(exec.timeout)
+        .header("Idempotency-Key", idem_key)
+        .json(args);
+    for (k, v) in &exec.headers {
+        req = req.header(k, v);
+    }
+    if let Some(t) = traceparent {
+        req = req.header("traceparent", t);
+    }
+    let attempt = match req.send().await {
+        Err(e) => classify_error(&e),
+        Ok(resp) => {
+            let status = resp.status().as_u16();
+            let after = retry_after(resp.headers());
+            let class = exec.status.classify(status);
+            match resp.bytes().await {
+                // The status line arrived but the body did not: for a success that is a reset
+                // mid-response, and the effect may well have happened.
+                Err(e) if class == StatusClass::Succeeded => {
+                    Attempt::Ambiguous(format!("status {status} but the response body was cut off: {e}"))
+                }
+                Err(_) => classify_status(class, status, after, &[]),
+                Ok(bytes) => classify_status(class, status, after, &bytes),
+            }
+        }
+    };
+    (attempt, started.elapsed())
+}
+
+fn classify_status(class: StatusClass, status: u16, after: Option<Duration>, body: &[u8]) -> Attempt {
+    match class {
+        StatusClass::Succeeded => Attempt::Succeeded(body_value(status, body)),
+        StatusClass::Failed => Attempt::Failed {
+            status,
+            body: body_value(status, body),
+        },
+        StatusClass::Retry => Attempt::Retry {
+            status,
+            retry_after: after,
+        },
+        StatusClass::Unknown => Attempt::Ambiguous(format!("downstream answered {status}")),
+    }
+}
+
+fn classify_error(e: &reqwest::Error) -> Attempt {
+    // A connect error (refused, unreachable, connect timeout) means nothing was sent.
+    if e.is_connect() {
+        return Attempt::NotSent(format!("cannot connect: {e}"));
+    }
+    if e.is_builder() {
+        return Attempt::NotSent(format!("request could not be built: {e}"));
+    }
+    if e.is_timeout() {
+        return Attempt::Ambiguous("timed out after the request was sent".to_string());
+    }
+    Attempt::Ambiguous(format!("connection failed after the request was sent: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn url_placeholders_are_encoded() {
+        let data: crate::event::ActionData = serde_json::from_value(json!({
+            "run_id": "r", "tool": "t", "args": {"order": "a/b c", "n": 5}
+        }))
+        .unwrap();
+        assert_eq!(
+            fill_url("http://x/v1/{args.order}/{key}?n={args.n}", "r:t:1", &data),
+            "http://x/v1/a%2Fb%20c/r%3At%3A1?n=5"
+        );
+    }
+
+    #[test]
+    fn statuses_map_to_attempts() {
+        assert!(matches!(classify_status(StatusClass::Succeeded, 200, None, b"{\"id\":1}"), Attempt::Succeeded(v) if v["id"] == 1));
+        assert!(matches!(classify_status(StatusClass::Succeeded, 204, None, b""), Attempt::Succeeded(v) if v["status"] == 204));
+        assert!(matches!(classify_status(StatusClass::Failed, 422, None, b"no"), Attempt::Failed { status: 422, .. }));
+        assert!(matches!(
+            classify_status(StatusClass::Retry, 429, Some(Duration::from_secs(2)), b""),
+            Attempt::Retry { status: 429, retry_after: Some(d) } if d == Duration::from_secs(2)
+        ));
+        assert!(matches!(classify_status(StatusClass::Unknown, 500, None, b""), Attempt::Ambiguous(_)));
+    }
+}

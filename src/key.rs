@@ -1,0 +1,229 @@
+//! Idempotency keys and request fingerprints.
+//!
+//! A key names *one intended effect*. When the orchestrator sends none, the tool's key template
+//! joins fields the model does not write freely (run id, tool, business id, a template name).
+//! The material fingerprint covers the fields whose change under the same key is a conflict;
+//! the args hash covers everything, so a repeat can be told apart as a replay (identical) or a
+//! model retry (reworded).
+
+use serde_json::{Map, Value};
+use sha2::{Digest, Sha256};
+
+use crate::config::{FieldPath, Tool};
+use crate::event::ActionData;
+
+pub const MAX_KEY_BYTES: usize = 255;
+
+/// Why a key cannot be used; becomes a `rejected` outcome with code `invalid_key`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum KeyError {
+    #[error("key field {0} is missing from the action")]
+    MissingField(String),
+    #[error("key field {0} must be a string or a number")]
+    NotScalar(String),
+    #[error("key is empty")]
+    Empty,
+    #[error("key is {0} bytes; at most 255 are allowed")]
+    TooLong(usize),
+    #[error("key contains a control or non-printable character")]
+    NotPrintable,
+    #[error("key contains an e-mail address; keep personal data out of keys")]
+    ContainsEmail,
+}
+
+/// Reads a field of an action: `run_id`, `tool`, `step`, `business_id` or `args.a.b`.
+pub fn field<'a>(data: &'a ActionData, path: &FieldPath) -> FieldValue<'a> {
+    match path.0.as_str() {
+        "run_id" => FieldValue::Str(&data.run_id),
+        "tool" => FieldValue::Str(&data.tool),
+        "step" => data.step.map_or(FieldValue::Missing, FieldValue::Int),
+        "business_id" => data.business_id.as_deref().map_or(FieldValue::Missing, FieldValue::Str),
+        other => {
+            let rest = other.strip_prefix("args.").unwrap_or(other);
+            let mut parts = rest.split('.');
+            let first = parts.next().unwrap_or_default();
+            let mut cur = data.args.get(first);
+            for p in parts {
+                cur = cur.and_then(|v| v.get(p));
+            }
+            cur.map_or(FieldValue::Missing, FieldValue::Json)
+        }
+    }
+}
+
+pub enum FieldValue<'a> {
+    Missing,
+    Str(&'a str),
+    Int(i64),
+    Json(&'a Value),
+}
+
+impl FieldValue<'_> {
+    pub fn to_json(&self) -> Value {
+        match self {
+            FieldValue::Missing => Value::Null,
+            FieldValue::Str(s) => Value::String((*s).to_string()),
+            FieldValue::Int(i) => Value::from(*i),
+            FieldValue::Json(v) => (*v).clone(),
+        }
+    }
+}
+
+/// The key of an action: the orchestrator's own, or the tool's template filled in.
+pub fn derive_key(tool: &Tool, data: &ActionData) -> Result<String, KeyError> {
+    let key = match &data.idempotency_key {
+        Some(k) => k.clone(),
+        None => {
+            let mut parts = Vec::with_capacity(tool.key.len());
+            for path in &tool.key {
+                let part = match field(data, path) {
+                    FieldValue::Missing | FieldValue::Json(Value::Null) => {
+                        return Err(KeyError::MissingField(path.0.clone()))
+                    }
+                    FieldValue::Str(s) => s.to_string(),
+                    FieldValue::Int(i) => i.to_string(),
+                    FieldValue::Json(Value::String(s)) => s.clone(),
+                    FieldValue::Json(Value::Number(n)) => n.to_string(),
+                    FieldValue::Json(_) => return Err(KeyError::NotScalar(path.0.clone())),
+                };
+                parts.push(part);
+            }
+            parts.join(":")
+        }
+    };
+    validate_key(&key)?;
+    Ok(key)
+}
+
+pub fn validate_key(key: &str) -> Result<(), KeyError> {
+    if key.is_empty() {
+        return Err(KeyError::Empty);
+    }
+    if key.len() > MAX_KEY_BYTES {
+        return Err(KeyError::TooLong(key.len()));
+    }
+    if key.chars().any(|c| c.is_control() || c == '\u{FFFD}') {
+        return Err(KeyError::NotPrintable);
+    }
+    if contains_email(key) {
+        return Err(KeyError::ContainsEmail);
+    }
+    Ok(())
+}
+
+/// `local@domain.tld`, with the usual characters on each side.
+fn contains_email(s: &str) -> bool {
+    let local_char = |c: char| c.is_alphanumeric() || "._%+-".contains(c);
+    let domain_char = |c: char| c.is_alphanumeric() || ".-".contains(c);
+    s.match_indices('@').any(|(at, _)| {
+        let before = s[..at].chars().next_back().is_some_and(local_char);
+        let domain: String = s[at + 1..].chars().take_while(|c| domain_char(*c)).collect();
+        let dotted = domain
+            .rsplit_once('.')
+            .is_some_and(|(host, tld)| !host.is_empty() && tld.len() >= 2 && tld.chars().all(char::is_alphabetic));
+        before && dotted
+    })
+}
+
+/// The material fields' values, by field name (null where absent).
+pub fn material(tool: &Tool, data: &ActionData) -> Map<String, Value> {
+    tool.material
+        .iter()
+        .map(|p| (p.0.clone(), field(data, p).to_json()))
+        .collect()
+}
+
+/// Hash of canonical JSON (serde_json's map keeps keys sorted, so equal values hash equal).
+pub fn hash_json(v: &Value) -> String {
+    let bytes = serde_json::to_vec(v).expect("json values serialize");
+    hex::encode(&Sha256::digest(&bytes)[..16])
+}
+
+/// Names of the material fields whose values differ.
+pub fn differing_fields(stored: &Value, incoming: &Map<String, Value>) -> Vec<String> {
+    let empty = Map::new();
+    let stored = stored.as_object().unwrap_or(&empty);
+    let mut names: Vec<String> = stored
+        .keys()
+        .chain(incoming.keys())
+        .filter(|k| stored.get(*k).unwrap_or(&Value::Null) != incoming.get(*k).unwrap_or(&Value::Null))
+        .cloned()
+        .collect();
+    names.sort();
+    names.dedup();
+    names
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+    use serde_json::json;
+
+    fn tool() -> Tool {
+        Config::from_toml(
+            r#"
+[[tools]]
+name = "send_email"
+class = "dangerous"
+key = ["run_id", "tool", "business_id", "args.template"]
+material = ["args.to", "args.template"]
+executor = { kind = "http", url = "http://127.0.0.1:1/x" }
+"#,
+            |_| None,
+        )
+        .unwrap()
+        .tools
+        .remove(0)
+    }
+
+    fn data(v: Value) -> ActionData {
+        serde_json::from_value(v).unwrap()
+    }
+
+    #[test]
+    fn template_key_ignores_free_text() {
+        let a = data(json!({"run_id": "run_42", "tool": "send_email", "business_id": "order_8812",
+            "args": {"to": "x", "template": "refund_approved", "subject": "Your refund"}}));
+        let b = data(json!({"run_id": "run_42", "tool": "send_email", "business_id": "order_8812", "step": 5,
+            "args": {"to": "x", "template": "refund_approved", "subject": "About your refund!"}}));
+        let t = tool();
+        assert_eq!(derive_key(&t, &a).unwrap(), "run_42:send_email:order_8812:refund_approved");
+        assert_eq!(derive_key(&t, &a), derive_key(&t, &b));
+        assert_eq!(hash_json(&Value::Object(material(&t, &a))), hash_json(&Value::Object(material(&t, &b))));
+        assert_ne!(hash_json(&Value::Object(a.args.clone())), hash_json(&Value::Object(b.args.clone())));
+    }
+
+    #[test]
+    fn explicit_key_wins() {
+        let d = data(json!({"run_id": "r", "tool": "send_email", "args": {}, "idempotency_key": "orch-1"}));
+        assert_eq!(derive_key(&tool(), &d).unwrap(), "orch-1");
+    }
+
+    #[test]
+    fn missing_key_field_is_named() {
+        let d = data(json!({"run_id": "r", "tool": "send_email", "args": {"template": "t"}}));
+        assert_eq!(derive_key(&tool(), &d), Err(KeyError::MissingField("business_id".into())));
+    }
+
+    #[test]
+    fn keys_are_bounded_printable_and_free_of_emails() {
+        assert_eq!(validate_key(&"k".repeat(255)), Ok(()));
+        assert_eq!(validate_key(&"k".repeat(256)), Err(KeyError::TooLong(256)));
+        assert_eq!(validate_key("a\nb"), Err(KeyError::NotPrintable));
+        assert_eq!(validate_key(""), Err(KeyError::Empty));
+        assert_eq!(validate_key("run:send:ada@example.com"), Err(KeyError::ContainsEmail));
+        assert_eq!(validate_key("run:send:Ada.Lovelace+x@mail.example.org:t"), Err(KeyError::ContainsEmail));
+        assert_eq!(validate_key("run@2:step@3"), Ok(()));
+        assert_eq!(validate_key("team@home"), Ok(()));
+    }
+
+    #[test]
+    fn differing_fields_are_listed() {
+        let stored = json!({"args.to": "a", "args.template": "t"});
+        let mut incoming = Map::new();
+        incoming.insert("args.to".into(), json!("b"));
+        incoming.insert("args.template".into(), json!("t"));
+        assert_eq!(differing_fields(&stored, &incoming), vec!["args.to".to_string()]);
+    }
+}

@@ -1,0 +1,225 @@
+//! Every metric idem exports: names, help texts and labels live here and nowhere else.
+//! Labels stay bounded (tool, status, origin, reason, code, partition) — never a key or run id.
+//!
+//! Each relay owns a [`Metrics`] with its own registry, so several relays can run in one
+//! process (the tests do) without sharing counters.
+
+use prometheus::{
+    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry, TextEncoder,
+};
+
+/// The layer that caused a repeat.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Origin {
+    First,
+    /// The same Kafka record again (a consumer restart or rebalance before the offset commit).
+    Redelivery,
+    /// The same event id in a new record (the producer retried a send).
+    ProducerRetry,
+    /// A new event id with identical args (an orchestrator retry or a resumed run).
+    Replay,
+    /// A new event id whose non-material args changed (the model reworded its call).
+    ModelRetry,
+    /// Same key, different material args: rejected.
+    Conflict,
+    DeadLetter,
+}
+
+impl Origin {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Origin::First => "first",
+            Origin::Redelivery => "redelivery",
+            Origin::ProducerRetry => "producer_retry",
+            Origin::Replay => "replay",
+            Origin::ModelRetry => "model_retry",
+            Origin::Conflict => "conflict",
+            Origin::DeadLetter => "dead_letter",
+        }
+    }
+}
+
+pub struct Metrics {
+    registry: Registry,
+    actions: IntCounterVec,
+    side_effects: IntCounterVec,
+    duplicates: IntCounterVec,
+    retries: IntCounterVec,
+    attempts_per_action: Histogram,
+    unknown_outcomes: IntCounterVec,
+    verifications: IntCounterVec,
+    keys_parked: IntGaugeVec,
+    conflicts: IntCounterVec,
+    rejections: IntCounterVec,
+    dead_letters: IntCounterVec,
+    side_effect_duration: HistogramVec,
+    action_latency: HistogramVec,
+    pub outbox_pending: IntGauge,
+    outbox_oldest_age: prometheus::Gauge,
+    consumer_lag: IntGaugeVec,
+    pub inflight: IntGauge,
+    messages_consumed: IntCounterVec,
+    outcomes_published: IntCounterVec,
+}
+
+fn counter(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
+    let c = IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric");
+    registry.register(Box::new(c.clone())).expect("unique metric");
+    c
+}
+
+fn histogram(registry: &Registry, name: &str, help: &str, labels: &[&str], buckets: Vec<f64>) -> HistogramVec {
+    let h = HistogramVec::new(HistogramOpts::new(name, help).buckets(buckets), labels).expect("valid metric");
+    registry.register(Box::new(h.clone())).expect("unique metric");
+    h
+}
+
+const SECONDS_BUCKETS: [f64; 14] = [
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+];
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let r = Registry::new();
+        let attempts_per_action = Histogram::with_opts(
+            HistogramOpts::new(
+                "idem_attempts_per_action",
+                "Downstream attempts it took to settle one action.",
+            )
+            .buckets(vec![1.0, 2.0, 3.0, 5.0, 8.0, 13.0]),
+        )
+        .expect("valid metric");
+        r.register(Box::new(attempts_per_action.clone())).expect("unique metric");
+        let outbox_pending = IntGauge::new("idem_outbox_pending", "Outcome events recorded but not yet published.")
+            .expect("valid metric");
+        r.register(Box::new(outbox_pending.clone())).expect("unique metric");
+        let outbox_oldest_age = prometheus::Gauge::new(
+            "idem_outbox_oldest_age_seconds",
+            "Age of the oldest unpublished outcome event (0 when none).",
+        )
+        .expect("valid metric");
+        r.register(Box::new(outbox_oldest_age.clone())).expect("unique metric");
+        let inflight = IntGauge::new("idem_inflight", "Downstream calls in flight now.").expect("valid metric");
+        r.register(Box::new(inflight.clone())).expect("unique metric");
+        let keys_parked = IntGaugeVec::new(
+            Opts::new("idem_keys_parked", "Keys waiting for a person: status unknown or pending_approval."),
+            &["status"],
+        )
+        .expect("valid metric");
+        r.register(Box::new(keys_parked.clone())).expect("unique metric");
+        let consumer_lag = IntGaugeVec::new(
+            Opts::new("idem_consumer_lag", "Messages of the actions topic not yet consumed, per partition (librdkafka statistics)."),
+            &["partition"],
+        )
+        .expect("valid metric");
+        r.register(Box::new(consumer_lag.clone())).expect("unique metric");
+
+        Metrics {
+            actions: counter(&r, "idem_actions_total", "Outcomes recorded for actions, by terminal status.", &["tool", "status"]),
+            side_effects: counter(&r, "idem_side_effects_total", "Downstream calls that performed an effect, as far as known.", &["tool"]),
+            duplicates: counter(&r, "idem_duplicates_total", "Repeats suppressed, by the layer that caused them.", &["tool", "origin"]),
+            retries: counter(&r, "idem_retries_total", "Downstream calls retried by the executor, by reason.", &["tool", "reason"]),
+            attempts_per_action,
+            unknown_outcomes: counter(&r, "idem_unknown_outcomes_total", "Actions whose effect could not be known after the call.", &["tool"]),
+            verifications: counter(&r, "idem_verifications_total", "Downstream verifications, by result.", &["tool", "result"]),
+            keys_parked,
+            conflicts: counter(&r, "idem_conflicts_total", "Same key with different material fields: rejected.", &["tool"]),
+            rejections: counter(&r, "idem_rejections_total", "Actions rejected, by error code.", &["tool", "code"]),
+            dead_letters: counter(&r, "idem_dead_letters_total", "Action messages sent to the dead-letter topic, by reason.", &["reason"]),
+            side_effect_duration: histogram(&r, "idem_side_effect_duration_seconds", "Duration of one downstream call.", &["tool"], SECONDS_BUCKETS.to_vec()),
+            action_latency: histogram(&r, "idem_action_latency_seconds", "From the action event's time (or its receipt) to its outcome recorded.", &["tool"], SECONDS_BUCKETS.to_vec()),
+            outbox_pending,
+            outbox_oldest_age,
+            consumer_lag,
+            inflight,
+            messages_consumed: counter(&r, "idem_messages_consumed_total", "Action messages read from Kafka, by origin.", &["origin"]),
+            outcomes_published: counter(&r, "idem_outcomes_published_total", "Outcome events acknowledged by Kafka.", &["topic"]),
+            registry: r,
+        }
+    }
+
+    /// Prometheus text exposition of every metric.
+    pub fn render(&self) -> String {
+        let mut buf = Vec::new();
+        TextEncoder::new()
+            .encode(&self.registry.gather(), &mut buf)
+            .expect("text encoding cannot fail");
+        String::from_utf8(buf).expect("prometheus text is UTF-8")
+    }
+
+    pub fn consumed(&self, origin: Origin) {
+        self.messages_consumed.with_label_values(&[origin.as_str()]).inc();
+    }
+
+    pub fn duplicate(&self, tool: &str, origin: Origin) {
+        self.duplicates.with_label_values(&[tool, origin.as_str()]).inc();
+    }
+
+    pub fn outcome(&self, tool: &str, status: &str) {
+        self.actions.with_label_values(&[tool, status]).inc();
+    }
+
+    pub fn side_effect(&self, tool: &str) {
+        self.side_effects.with_label_values(&[tool]).inc();
+    }
+
+    pub fn retry(&self, tool: &str, reason: &str) {
+        self.retries.with_label_values(&[tool, reason]).inc();
+    }
+
+    pub fn attempts(&self, n: u32) {
+        self.attempts_per_action.observe(f64::from(n));
+    }
+
+    pub fn unknown_outcome(&self, tool: &str) {
+        self.unknown_outcomes.with_label_values(&[tool]).inc();
+    }
+
+    pub fn verification(&self, tool: &str, result: &str) {
+        self.verifications.with_label_values(&[tool, result]).inc();
+    }
+
+    pub fn parked(&self, status: &str, n: i64) {
+        self.keys_parked.with_label_values(&[status]).set(n);
+    }
+
+    pub fn conflict(&self, tool: &str) {
+        self.conflicts.with_label_values(&[tool]).inc();
+    }
+
+    pub fn rejection(&self, tool: &str, code: &str) {
+        self.rejections.with_label_values(&[tool, code]).inc();
+    }
+
+    pub fn dead_letter(&self, reason: &str) {
+        self.dead_letters.with_label_values(&[reason]).inc();
+    }
+
+    pub fn side_effect_duration(&self, tool: &str, seconds: f64) {
+        self.side_effect_duration.with_label_values(&[tool]).observe(seconds);
+    }
+
+    pub fn action_latency(&self, tool: &str, seconds: f64) {
+        self.action_latency.with_label_values(&[tool]).observe(seconds);
+    }
+
+    pub fn outbox(&self, pending: i64, oldest_age_seconds: f64) {
+        self.outbox_pending.set(pending);
+        self.outbox_oldest_age.set(oldest_age_seconds);
+    }
+
+    pub fn consumer_lag(&self, partition: i32, lag: i64) {
+        self.consumer_lag.with_label_values(&[&partition.to_string()]).set(lag);
+    }
+
+    pub fn published(&self, topic: &str, n: u64) {
+        self.outcomes_published.with_label_values(&[topic]).inc_by(n);
+    }
+}

@@ -1,0 +1,188 @@
+//! Publish: outbox rows to the outcomes topic with the idempotent producer, woken by
+//! LISTEN/NOTIFY with a polling fallback. Rows are marked published only after Kafka
+//! acknowledged them, so a crash in between republishes the same event ids.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use deadpool_postgres::Pool;
+use futures::StreamExt;
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use tokio::sync::Notify;
+use tokio_postgres::{AsyncMessage, NoTls};
+use tokio_util::sync::CancellationToken;
+
+use crate::config::Config;
+use crate::db::{self, DbError};
+use crate::event::STRUCTURED_CONTENT_TYPE;
+use crate::metrics::Metrics;
+use crate::store;
+
+const BATCH: i64 = 1000;
+
+#[derive(Debug, thiserror::Error)]
+pub enum PublishError {
+    #[error(transparent)]
+    Db(#[from] DbError),
+    #[error("kafka did not acknowledge outcome {event_id}: {source}")]
+    Kafka {
+        event_id: String,
+        source: rdkafka::error::KafkaError,
+    },
+}
+
+impl From<tokio_postgres::Error> for PublishError {
+    fn from(e: tokio_postgres::Error) -> Self {
+        PublishError::Db(DbError::Postgres(e))
+    }
+}
+
+pub struct Publisher {
+    pub config: Arc<Config>,
+    pub pool: Pool,
+    pub producer: FutureProducer,
+    pub metrics: Arc<Metrics>,
+    pub wake: Arc<Notify>,
+}
+
+impl Publisher {
+    /// Publishes until `shutdown`, then once more until the outbox is empty or `final_grace`
+    /// has passed.
+    pub async fn run(self, shutdown: CancellationToken, drained: CancellationToken, final_grace: Duration) {
+        let mut last_lag = Instant::now() - Duration::from_secs(10);
+        loop {
+            let full = match self.publish_once().await {
+                Ok(n) => n as i64 == BATCH,
+                Err(e) => {
+                    tracing::warn!(error = %e, "outbox publish failed; will retry");
+                    false
+                }
+            };
+            if last_lag.elapsed() >= Duration::from_secs(2) {
+                self.update_lag().await;
+                last_lag = Instant::now();
+            }
+            if full {
+                continue;
+            }
+            tokio::select! {
+                _ = drained.cancelled() => break,
+                _ = self.wake.notified() => {}
+                _ = tokio::time::sleep(self.config.relay.outbox_poll_interval) => {}
+            }
+        }
+        let _ = shutdown;
+        // Everything the executor recorded before stopping goes out now.
+        let deadline = Instant::now() + final_grace;
+        while Instant::now() < deadline {
+            match self.publish_once().await {
+                Ok(0) => break,
+                Ok(_) => {}
+                Err(e) => {
+                    tracing::warn!(error = %e, "outbox publish failed during shutdown");
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+            }
+        }
+        self.update_lag().await;
+    }
+
+    async fn update_lag(&self) {
+        if let Ok(client) = self.pool.get().await {
+            if let Ok((pending, age)) = store::outbox_lag(&**client).await {
+                self.metrics.outbox(pending, age);
+            }
+        }
+    }
+
+    /// One batch: lock unpublished rows, send them all, wait for every acknowledgement, mark.
+    pub async fn publish_once(&self) -> Result<usize, PublishError> {
+        let mut client = self.pool.get().await.map_err(DbError::from)?;
+        let tx = client.transaction().await?;
+        let rows = store::unpublished(&tx, BATCH).await?;
+        if rows.is_empty() {
+            return Ok(0);
+        }
+        let topic = &self.config.kafka.outcomes_topic;
+        let mut pending = Vec::with_capacity(rows.len());
+        for row in &rows {
+            let payload = serde_json::to_vec(&row.payload).expect("json serializes");
+            let mut headers = OwnedHeaders::new().insert(Header {
+                key: "content-type",
+                value: Some(STRUCTURED_CONTENT_TYPE),
+            });
+            if let Some(t) = &row.traceparent {
+                headers = headers.insert(Header { key: "traceparent", value: Some(t.as_str()) });
+            }
+            let record = FutureRecord::to(topic).key(&row.key).payload(&payload).headers(headers);
+            // send_result only enqueues; the acknowledgements are awaited together below.
+            match self.producer.send_result(record) {
+                Ok(delivery) => pending.push((row.event_id.clone(), delivery)),
+                Err((e, _)) => {
+                    return Err(PublishError::Kafka { event_id: row.event_id.clone(), source: e });
+                }
+            }
+        }
+        let results = futures::future::join_all(pending.into_iter().map(|(id, f)| async move { (id, f.await) })).await;
+        for (event_id, result) in results {
+            match result {
+                Ok(Ok(_)) => {}
+                Ok(Err((e, _))) => return Err(PublishError::Kafka { event_id, source: e }),
+                Err(_) => {
+                    return Err(PublishError::Kafka {
+                        event_id,
+                        source: rdkafka::error::KafkaError::Canceled,
+                    })
+                }
+            }
+        }
+        fail::fail_point!("after-publish-before-mark", |_| Ok(0));
+        let ids: Vec<i64> = rows.iter().map(|r| r.id).collect();
+        store::mark_published(&tx, &ids).await?;
+        tx.commit().await?;
+        self.metrics.published(topic, rows.len() as u64);
+        Ok(rows.len())
+    }
+}
+
+/// Listens on the outbox channel and wakes the publisher on every notification; reconnects
+/// when the connection drops (the publisher polls meanwhile).
+pub async fn listen(config: Arc<Config>, wake: Arc<Notify>, shutdown: CancellationToken) {
+    let channel = store::outbox_channel(&config.postgres.schema);
+    loop {
+        let attempt = async {
+            let pg = db::pg_config(&config.postgres)?;
+            let (client, mut connection) = pg.connect(NoTls).await.map_err(DbError::from)?;
+            let mut messages = futures::stream::poll_fn(move |cx| connection.poll_message(cx));
+            let statement = format!("listen {channel}");
+            let listen = client.batch_execute(&statement);
+            tokio::pin!(listen);
+            // The connection must be polled for the LISTEN to complete.
+            loop {
+                tokio::select! {
+                    r = &mut listen => { r.map_err(DbError::from)?; break; }
+                    m = messages.next() => if m.is_none() { return Ok::<(), DbError>(()); },
+                }
+            }
+            loop {
+                tokio::select! {
+                    _ = shutdown.cancelled() => return Ok(()),
+                    m = messages.next() => match m {
+                        Some(Ok(AsyncMessage::Notification(_))) => wake.notify_one(),
+                        Some(Ok(_)) => {}
+                        Some(Err(e)) => return Err(DbError::from(e)),
+                        None => return Ok(()),
+                    }
+                }
+            }
+        };
+        if let Err(e) = attempt.await {
+            tracing::warn!(error = %e, "outbox listener lost; polling until it reconnects");
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+        }
+    }
+}

@@ -1,0 +1,169 @@
+//! The relay's entry point: wires consume → record → execute → record outcome → publish, and
+//! shuts them down in that order so nothing recorded is left unpublished.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use rdkafka::consumer::Consumer;
+use tokio::net::TcpListener;
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+
+use crate::admin::{self, AdminState};
+use crate::config::{Config, Executor as ExecutorKind, ToolClass};
+use crate::consume::Consume;
+use crate::execute::Executor;
+use crate::kafka::{self, RelayContext};
+use crate::metrics::Metrics;
+use crate::publish::{self, Publisher};
+use crate::db;
+
+#[derive(Debug, thiserror::Error)]
+pub enum RelayError {
+    #[error("postgres: {0}")]
+    Db(#[from] db::DbError),
+    #[error("kafka: {0}")]
+    Kafka(#[from] rdkafka::error::KafkaError),
+    #[error("admin listener on {addr}: {source}")]
+    Listen { addr: std::net::SocketAddr, source: std::io::Error },
+    #[error("the database schema is at version {found}, this relay needs {needed}: run `idem migrate`")]
+    Schema { found: i32, needed: i32 },
+}
+
+/// A started relay: where its admin listener is, and its metrics.
+pub struct Handle {
+    pub admin_addr: std::net::SocketAddr,
+    pub metrics: Arc<Metrics>,
+    done: tokio::task::JoinHandle<()>,
+}
+
+impl Handle {
+    /// Waits until the relay has shut down (after `shutdown` was cancelled).
+    pub async fn wait(self) {
+        let _ = self.done.await;
+    }
+}
+
+/// Runs the relay until `shutdown` is cancelled, then drains and returns.
+pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), RelayError> {
+    start(config, shutdown).await?.wait().await;
+    Ok(())
+}
+
+/// Starts the relay in the background; errors in setting up are returned, not logged.
+pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Handle, RelayError> {
+    let config = Arc::new(config);
+    let metrics = Arc::new(Metrics::new());
+    let pool = db::pool(&config.postgres)?;
+    check_schema(&pool).await?;
+    for tool in &config.tools {
+        if tool.class == ToolClass::Dangerous && matches!(tool.executor, ExecutorKind::Http(_)) {
+            tracing::info!(tool = %tool.name, "dangerous http tool: ambiguous results are parked as unknown, never retried blind");
+        }
+    }
+
+    if config.kafka.create_topics {
+        kafka::ensure_topics(&config.kafka).await?;
+    }
+    let kafka_up = Arc::new(AtomicBool::new(false));
+    let consumer = Arc::new(kafka::consumer(
+        &config.kafka,
+        RelayContext {
+            metrics: metrics.clone(),
+            actions_topic: config.kafka.actions_topic.clone(),
+            brokers_up: kafka_up.clone(),
+        },
+    )?);
+    consumer.subscribe(&[&config.kafka.actions_topic])?;
+    // Topics exist (or were checked) and the broker answered: ready for traffic.
+    consumer.fetch_metadata(Some(&config.kafka.actions_topic), std::time::Duration::from_secs(10))?;
+    kafka_up.store(true, Ordering::Relaxed);
+    let producer = kafka::producer(&config.kafka)?;
+
+    let listener = TcpListener::bind(config.admin.listen)
+        .await
+        .map_err(|source| RelayError::Listen { addr: config.admin.listen, source })?;
+    let admin_addr = listener.local_addr().map_err(|source| RelayError::Listen { addr: config.admin.listen, source })?;
+    let router = admin::router(AdminState { metrics: metrics.clone(), pool: pool.clone(), kafka_up });
+
+    let executor = Executor::new(&config, pool.clone(), metrics.clone());
+    let wake = Arc::new(Notify::new());
+    let stop_background = CancellationToken::new();
+    let publisher_drained = CancellationToken::new();
+
+    let consume = Consume {
+        config: config.clone(),
+        consumer: consumer.clone(),
+        producer: producer.clone(),
+        pool: pool.clone(),
+        executor: executor.clone(),
+        metrics: metrics.clone(),
+    };
+    let publisher = Publisher {
+        config: config.clone(),
+        pool: pool.clone(),
+        producer: producer.clone(),
+        metrics: metrics.clone(),
+        wake: wake.clone(),
+    };
+    let admin_stop = stop_background.clone();
+    let admin_task = tokio::spawn(async move {
+        let _ = axum::serve(listener, router)
+            .with_graceful_shutdown(async move { admin_stop.cancelled().await })
+            .await;
+    });
+    let listen_task = tokio::spawn(publish::listen(config.clone(), wake, stop_background.clone()));
+    let publish_task = tokio::spawn(publisher.run(
+        stop_background.clone(),
+        publisher_drained.clone(),
+        config.relay.shutdown_grace,
+    ));
+    let lease_task = tokio::spawn(executor.clone().keep_leases(stop_background.clone()));
+    let recovery_task = tokio::spawn(executor.clone().recover(config.relay.recovery_interval, stop_background.clone()));
+    let consume_task = tokio::spawn(consume.run(shutdown.clone()));
+
+    tracing::info!(
+        admin = %admin_addr,
+        instance = %config.relay.instance_id,
+        topic = %config.kafka.actions_topic,
+        group = %config.kafka.group_id,
+        tools = config.tools.len(),
+        "relay started"
+    );
+
+    let grace = config.relay.shutdown_grace;
+    let done = tokio::spawn(async move {
+        shutdown.cancelled().await;
+        tracing::info!("shutting down: consuming stopped, draining in-flight calls");
+        let _ = consume_task.await;
+        recovery_task.abort();
+        executor.drain(grace).await;
+        // Leases are kept until the calls are drained, then publishing gets its last round.
+        publisher_drained.cancel();
+        let _ = publish_task.await;
+        stop_background.cancel();
+        let _ = lease_task.await;
+        let _ = listen_task.await;
+        let _ = rdkafka::producer::Producer::flush(&producer, std::time::Duration::from_secs(10));
+        drop(consumer);
+        let _ = admin_task.await;
+        tracing::info!("relay stopped");
+    });
+    Ok(Handle { admin_addr, metrics, done })
+}
+
+async fn check_schema(pool: &deadpool_postgres::Pool) -> Result<(), RelayError> {
+    let client = pool.get().await.map_err(db::DbError::from)?;
+    let found: i32 = match client
+        .query_one("select coalesce(max(version), 0) from idem_schema_versions", &[])
+        .await
+    {
+        Ok(row) => row.get(0),
+        Err(_) => 0,
+    };
+    let needed = db::latest_version();
+    if found < needed {
+        return Err(RelayError::Schema { found, needed });
+    }
+    Ok(())
+}

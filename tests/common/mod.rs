@@ -1,0 +1,328 @@
+//! Shared helpers for tests against the real local Kafka and Postgres: random topic, group and
+//! schema names per test, a fake downstream that counts effects, and waiting with deadlines.
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use idem::config::Config;
+use idem::fake_downstream::FakeDownstream;
+use rdkafka::config::ClientConfig;
+use rdkafka::consumer::{Consumer, StreamConsumer};
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::Message;
+use serde_json::{json, Value};
+use tokio_util::sync::CancellationToken;
+
+pub fn brokers() -> String {
+    std::env::var("IDEM_TEST_KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into())
+}
+
+pub fn postgres_url() -> String {
+    std::env::var("IDEM_TEST_POSTGRES_URL").unwrap_or_else(|_| "postgres://idem:idem@127.0.0.1:5432/idem".into())
+}
+
+pub fn unique(prefix: &str) -> String {
+    format!("{prefix}_{}", &uuid::Uuid::new_v4().simple().to_string()[..12])
+}
+
+/// Everything one test's relay needs, isolated from other tests.
+pub struct Env {
+    pub schema: String,
+    pub actions: String,
+    pub outcomes: String,
+    pub dlq: String,
+    pub group: String,
+    pub downstream: FakeDownstream,
+    pub downstream_url: String,
+    stop_downstream: CancellationToken,
+}
+
+impl Drop for Env {
+    fn drop(&mut self) {
+        self.stop_downstream.cancel();
+    }
+}
+
+impl Env {
+    pub async fn new() -> Env {
+        Self::with_downstream(FakeDownstream::new(false)).await
+    }
+
+    pub async fn with_downstream(downstream: FakeDownstream) -> Env {
+        let stop = CancellationToken::new();
+        let addr = downstream.clone().spawn("127.0.0.1:0".parse().unwrap(), stop.clone()).await.unwrap();
+        let base = unique("t");
+        Env {
+            schema: base.clone(),
+            actions: format!("{base}.actions"),
+            outcomes: format!("{base}.outcomes"),
+            dlq: format!("{base}.dlq"),
+            group: format!("{base}.group"),
+            downstream,
+            downstream_url: format!("http://{addr}"),
+            stop_downstream: stop,
+        }
+    }
+
+    /// A config for this test: `tools` is TOML with `{downstream}` standing for the fake's URL.
+    pub fn config_text(&self, tools: &str, relay: &str) -> String {
+        format!(
+            r#"
+[kafka]
+brokers = "{brokers}"
+group_id = "{group}"
+actions_topic = "{actions}"
+outcomes_topic = "{outcomes}"
+dlq_topic = "{dlq}"
+partitions = 6
+
+[postgres]
+url = "{pg}"
+schema = "{schema}"
+pool_size = 8
+
+[relay]
+batch_linger = "5ms"
+lease = "3s"
+recovery_interval = "500ms"
+outbox_poll_interval = "200ms"
+shutdown_grace = "10s"
+{relay}
+
+[admin]
+listen = "127.0.0.1:0"
+
+{tools}
+"#,
+            brokers = brokers(),
+            group = self.group,
+            actions = self.actions,
+            outcomes = self.outcomes,
+            dlq = self.dlq,
+            pg = postgres_url(),
+            schema = self.schema,
+            tools = tools.replace("{downstream}", &self.downstream_url),
+        )
+    }
+
+    pub async fn config(&self, tools: &str, relay: &str) -> Config {
+        let config = Config::from_toml(&self.config_text(tools, relay), |_| None).expect("test config is valid");
+        idem::db::migrate(&config.postgres).await.expect("migrate");
+        config
+    }
+
+    pub async fn start(&self, config: Config) -> Relay {
+        let shutdown = CancellationToken::new();
+        let handle = idem::relay::start(config, shutdown.clone()).await.expect("relay starts");
+        Relay { shutdown, handle: Some(handle) }
+    }
+
+    /// A connection whose search path is this test's schema.
+    pub async fn pg(&self) -> tokio_postgres::Client {
+        let mut cfg: tokio_postgres::Config = postgres_url().parse().unwrap();
+        cfg.options(format!("-c search_path={}", self.schema));
+        let (client, conn) = cfg.connect(tokio_postgres::NoTls).await.expect("postgres connects");
+        tokio::spawn(conn);
+        client
+    }
+
+    pub fn producer(&self) -> Producer {
+        let p: FutureProducer = ClientConfig::new()
+            .set("bootstrap.servers", brokers())
+            .set("enable.idempotence", "true")
+            .set("linger.ms", "1")
+            .create()
+            .unwrap();
+        Producer { inner: p, topic: self.actions.clone() }
+    }
+
+    /// Starts collecting every outcome event from the start of the outcomes topic.
+    pub async fn outcomes(&self) -> Collector {
+        Collector::start(&self.outcomes).await
+    }
+
+    pub async fn dead_letters(&self) -> Collector {
+        Collector::start(&self.dlq).await
+    }
+}
+
+pub struct Relay {
+    shutdown: CancellationToken,
+    handle: Option<idem::relay::Handle>,
+}
+
+impl Relay {
+    pub fn admin(&self) -> std::net::SocketAddr {
+        self.handle.as_ref().unwrap().admin_addr
+    }
+
+    pub async fn stop(mut self) {
+        self.shutdown.cancel();
+        if let Some(h) = self.handle.take() {
+            tokio::time::timeout(Duration::from_secs(60), h.wait()).await.expect("relay stops within 60s");
+        }
+    }
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+    }
+}
+
+pub struct Producer {
+    inner: FutureProducer,
+    topic: String,
+}
+
+/// An action event in structured mode.
+pub fn action(id: &str, data: Value) -> Value {
+    json!({"specversion": "1.0", "id": id, "source": "test-agent", "type": "dev.idem.action.v1", "data": data})
+}
+
+impl Producer {
+    pub async fn send_raw(&self, key: Option<&str>, payload: &[u8], headers: OwnedHeaders) {
+        let mut record: FutureRecord<'_, str, [u8]> = FutureRecord::to(&self.topic).payload(payload).headers(headers);
+        if let Some(k) = key {
+            record = record.key(k);
+        }
+        self.inner.send(record, Duration::from_secs(30)).await.map_err(|(e, _)| e).expect("produce");
+    }
+
+    pub async fn send(&self, event: &Value) {
+        let key = event["data"]["idempotency_key"].as_str().or(event["data"]["run_id"].as_str()).map(str::to_string);
+        let headers = OwnedHeaders::new().insert(Header { key: "content-type", value: Some("application/cloudevents+json") });
+        self.send_raw(key.as_deref(), &serde_json::to_vec(event).unwrap(), headers).await;
+    }
+}
+
+/// Collects a topic's messages in the background.
+pub struct Collector {
+    pub messages: Arc<Mutex<Vec<Collected>>>,
+    stop: CancellationToken,
+}
+
+#[derive(Clone, Debug)]
+pub struct Collected {
+    pub key: Option<String>,
+    pub payload: Vec<u8>,
+    pub headers: HashMap<String, String>,
+}
+
+impl Collected {
+    pub fn json(&self) -> Value {
+        serde_json::from_slice(&self.payload).unwrap_or(Value::Null)
+    }
+}
+
+impl Drop for Collector {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+impl Collector {
+    async fn start(topic: &str) -> Collector {
+        let consumer: StreamConsumer = ClientConfig::new()
+            .set("bootstrap.servers", brokers())
+            .set("group.id", unique("collector"))
+            .set("auto.offset.reset", "earliest")
+            .set("enable.auto.commit", "false")
+            .set("topic.metadata.refresh.interval.ms", "500")
+            .create()
+            .unwrap();
+        consumer.subscribe(&[topic]).unwrap();
+        let messages = Arc::new(Mutex::new(Vec::new()));
+        let stop = CancellationToken::new();
+        let (m, s) = (messages.clone(), stop.clone());
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = s.cancelled() => return,
+                    r = consumer.recv() => if let Ok(msg) = r {
+                        use rdkafka::message::Headers;
+                        let headers = msg.headers().map(|h| h.iter().map(|h| (h.key.to_string(), String::from_utf8_lossy(h.value.unwrap_or_default()).to_string())).collect()).unwrap_or_default();
+                        m.lock().unwrap().push(Collected {
+                            key: msg.key().map(|k| String::from_utf8_lossy(k).to_string()),
+                            payload: msg.payload().unwrap_or_default().to_vec(),
+                            headers,
+                        });
+                    }
+                }
+            }
+        });
+        Collector { messages, stop }
+    }
+
+    pub fn all(&self) -> Vec<Collected> {
+        self.messages.lock().unwrap().clone()
+    }
+
+    pub fn json(&self) -> Vec<Value> {
+        self.all().iter().map(Collected::json).collect()
+    }
+
+    /// Outcome events answering `action_event_id`.
+    pub fn answers(&self, action_event_id: &str) -> Vec<Value> {
+        self.json().into_iter().filter(|v| v["data"]["action_event_id"] == action_event_id).collect()
+    }
+
+    /// Waits until `done` holds for the collected messages, or fails naming `what`.
+    pub async fn wait_for(&self, what: &str, within: Duration, done: impl Fn(&[Value]) -> bool) -> Vec<Value> {
+        let deadline = tokio::time::Instant::now() + within;
+        loop {
+            let now = self.json();
+            if done(&now) {
+                return now;
+            }
+            if tokio::time::Instant::now() > deadline {
+                panic!("timed out after {within:?} waiting for {what}; collected {} messages: {:#?}", now.len(), now.iter().rev().take(5).collect::<Vec<_>>());
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Waits for an answer to `action_event_id` with `status`.
+    pub async fn answer(&self, action_event_id: &str, status: &str) -> Value {
+        let all = self
+            .wait_for(&format!("a {status} answer to {action_event_id}"), Duration::from_secs(60), |v| {
+                v.iter().any(|o| o["data"]["action_event_id"] == action_event_id && o["data"]["status"] == status)
+            })
+            .await;
+        all.into_iter()
+            .find(|o| o["data"]["action_event_id"] == action_event_id && o["data"]["status"] == status)
+            .unwrap()
+    }
+}
+
+/// Polls `check` until it is true or the deadline passes.
+pub async fn eventually<F, Fut>(what: &str, within: Duration, check: F)
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + within;
+    while !check().await {
+        if tokio::time::Instant::now() > deadline {
+            panic!("timed out after {within:?} waiting for {what}");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+pub async fn metrics(addr: std::net::SocketAddr) -> String {
+    reqwest::get(format!("http://{addr}/metrics")).await.unwrap().text().await.unwrap()
+}
+
+/// The value of one sample line in Prometheus text, 0 when absent.
+pub fn sample(metrics: &str, name_and_labels: &str) -> f64 {
+    metrics
+        .lines()
+        .find(|l| l.starts_with(name_and_labels) && l[name_and_labels.len()..].starts_with(' '))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0)
+}

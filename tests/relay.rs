@@ -1,0 +1,330 @@
+//! The relay end to end, against the real local Kafka and Postgres, counting effects at a fake
+//! downstream that does not dedupe.
+
+mod common;
+
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+
+use common::{action, Env};
+use rdkafka::message::{Header, OwnedHeaders};
+use serde_json::json;
+
+const EMAIL: &str = r#"
+[[tools]]
+name = "send_email"
+class = "dangerous"
+key = ["run_id", "tool", "business_id"]
+material = ["args.to", "args.template"]
+executor = { kind = "http", url = "{downstream}/v1/send_email", timeout = "1s" }
+retry = { max_attempts = 3, initial_backoff = "10ms", max_backoff = "50ms" }
+"#;
+
+fn email(run: &str, business: &str, subject: &str) -> serde_json::Value {
+    json!({"run_id": run, "tool": "send_email", "business_id": business,
+           "args": {"to": "customer-1", "template": "refund_approved", "subject": subject}})
+}
+
+#[tokio::test]
+async fn happy_path_executes_once_and_answers() {
+    let env = Env::new().await;
+    let outcomes = env.outcomes().await;
+    let relay = env.start(env.config(EMAIL, "").await).await;
+    env.producer().send(&action("evt-1", email("run_1", "order_1", "Your refund"))).await;
+
+    let o = outcomes.answer("evt-1", "succeeded").await;
+    assert_eq!(o["type"], "dev.idem.outcome.v1");
+    assert_eq!(o["subject"], "run_1:send_email:order_1");
+    assert_eq!(o["data"]["duplicate"], false);
+    assert_eq!(o["data"]["attempts"], 1);
+    assert_eq!(o["data"]["result"]["key"], "run_1:send_email:order_1");
+    assert!(o["data"]["note"].as_str().unwrap().starts_with("Done at"), "{o}");
+    assert_eq!(env.downstream.effects("run_1:send_email:order_1"), 1);
+    let m = common::metrics(relay.admin()).await;
+    assert_eq!(common::sample(&m, r#"idem_actions_total{status="succeeded",tool="send_email"}"#), 1.0, "{m}");
+    assert_eq!(common::sample(&m, r#"idem_side_effects_total{tool="send_email"}"#), 1.0);
+    let ready = reqwest::get(format!("http://{}/readyz", relay.admin())).await.unwrap();
+    assert_eq!(ready.status(), 200);
+    relay.stop().await;
+}
+
+#[tokio::test]
+async fn the_same_event_twice_and_a_replay_execute_once() {
+    let env = Env::new().await;
+    let outcomes = env.outcomes().await;
+    let relay = env.start(env.config(EMAIL, "").await).await;
+    let p = env.producer();
+    let first = action("evt-a", email("run_2", "order_2", "Your refund"));
+    p.send(&first).await;
+    outcomes.answer("evt-a", "succeeded").await;
+    p.send(&first).await; // the producer retried: same event id, new record
+    p.send(&action("evt-b", email("run_2", "order_2", "Your refund"))).await; // orchestrator replay
+
+    let dup = outcomes.answer("evt-b", "succeeded").await;
+    assert_eq!(dup["data"]["duplicate"], true);
+    assert_eq!(dup["data"]["result"]["id"], outcomes.answers("evt-a")[0]["data"]["result"]["id"]);
+    assert!(dup["data"]["note"].as_str().unwrap().contains("not repeated. Do not retry."), "{dup}");
+    common::eventually("the producer retry to be counted", Duration::from_secs(20), || async {
+        let m = common::metrics(relay.admin()).await;
+        common::sample(&m, r#"idem_duplicates_total{origin="producer_retry",tool="send_email"}"#) == 1.0
+            && common::sample(&m, r#"idem_duplicates_total{origin="replay",tool="send_email"}"#) == 1.0
+    })
+    .await;
+    assert_eq!(outcomes.answers("evt-a").len(), 1, "a producer retry is not answered again");
+    assert_eq!(env.downstream.total_effects(), 1);
+    relay.stop().await;
+}
+
+#[tokio::test]
+async fn seed_trace_timeout_then_reworded_retry_sends_one_email() {
+    let env = Env::new().await;
+    let key = "run_3:send_email:order_8812";
+    env.downstream.script(Some(key), vec![idem::fake_downstream::Step::Named("effect_then_timeout".into())]);
+    let outcomes = env.outcomes().await;
+    let relay = env.start(env.config(EMAIL, "").await).await;
+    let p = env.producer();
+    let mut step4 = email("run_3", "order_8812", "Your refund");
+    step4["step"] = json!(4);
+    p.send(&action("evt-step4", step4)).await;
+    let unknown = outcomes.answer("evt-step4", "unknown").await;
+    assert_eq!(unknown["data"]["error"]["code"], "outcome_unknown");
+    assert!(unknown["data"]["note"].as_str().unwrap().contains("do not retry"), "{unknown}");
+
+    // The model rewords the subject and sends again at step 5 with the same business id.
+    let mut step5 = email("run_3", "order_8812", "Following up on your refund");
+    step5["step"] = json!(5);
+    p.send(&action("evt-step5", step5)).await;
+    let dup = outcomes.answer("evt-step5", "unknown").await;
+    assert_eq!(dup["data"]["duplicate"], true);
+    assert_eq!(env.downstream.effects(key), 1, "one email, however the model retried");
+    let m = common::metrics(relay.admin()).await;
+    assert_eq!(common::sample(&m, r#"idem_duplicates_total{origin="model_retry",tool="send_email"}"#), 1.0, "{m}");
+    assert_eq!(common::sample(&m, r#"idem_unknown_outcomes_total{tool="send_email"}"#), 1.0);
+    relay.stop().await;
+}
+
+#[tokio::test]
+async fn material_change_is_a_key_conflict() {
+    let env = Env::new().await;
+    let outcomes = env.outcomes().await;
+    let relay = env.start(env.config(EMAIL, "").await).await;
+    let p = env.producer();
+    p.send(&action("evt-c1", email("run_4", "order_4", "Hi"))).await;
+    outcomes.answer("evt-c1", "succeeded").await;
+    let mut changed = email("run_4", "order_4", "Hi");
+    changed["args"]["to"] = json!("someone-else");
+    p.send(&action("evt-c2", changed)).await;
+    let r = outcomes.answer("evt-c2", "rejected").await;
+    assert_eq!(r["data"]["error"]["code"], "key_conflict");
+    assert_eq!(r["data"]["error"]["fields"], json!(["args.to"]));
+    assert_eq!(r["data"]["duplicate"], false);
+    assert_eq!(env.downstream.total_effects(), 1);
+    relay.stop().await;
+}
+
+#[tokio::test]
+async fn thousand_actions_thirty_percent_duplicates_six_partitions() {
+    let env = Env::new().await;
+    let outcomes = env.outcomes().await;
+    let relay = env.start(env.config(EMAIL, "").await).await;
+    let p = env.producer();
+    let mut ids = Vec::new();
+    let mut keys = HashSet::new();
+    let mut sends = Vec::new();
+    for i in 0..1000 {
+        // 700 distinct keys; the other 300 repeat one of them (replays and rewordings).
+        let k = if i < 700 { i } else { (i * 7) % 700 };
+        let subject = if i % 2 == 0 { "Your refund" } else { "About your refund" };
+        let id = format!("evt-{i}");
+        keys.insert(format!("run_{}:send_email:order_{k}", k % 13));
+        sends.push(action(&id, email(&format!("run_{}", k % 13), &format!("order_{k}"), subject)));
+        ids.push(id);
+    }
+    for chunk in sends.chunks(100) {
+        futures::future::join_all(chunk.iter().map(|e| p.send(e))).await;
+    }
+    outcomes
+        .wait_for("every action event answered", Duration::from_secs(120), |all| {
+            let answered: HashSet<&str> = all.iter().filter_map(|o| o["data"]["action_event_id"].as_str()).collect();
+            ids.iter().all(|id| answered.contains(id.as_str()))
+        })
+        .await;
+    assert_eq!(env.downstream.distinct_keys(), keys.len());
+    assert_eq!(env.downstream.total_effects(), keys.len() as u64, "repeated: {:?}", env.downstream.repeated_keys());
+    let all = outcomes.json();
+    let duplicates = all.iter().filter(|o| o["data"]["duplicate"] == true).count();
+    assert_eq!(duplicates, 300);
+    assert!(all.iter().all(|o| o["data"]["status"] == "succeeded"));
+    relay.stop().await;
+}
+
+#[tokio::test]
+async fn bad_input_goes_to_the_dead_letter_topic_with_its_reason() {
+    let env = Env::new().await;
+    let outcomes = env.outcomes().await;
+    let dlq = env.dead_letters().await;
+    let relay = env.start(env.config(EMAIL, "").await.tap(|c| c.relay.max_message_bytes = 4096)).await;
+    let p = env.producer();
+    let none = OwnedHeaders::new;
+    p.send_raw(Some("k"), b"this is not json", none()).await;
+    p.send_raw(Some("k"), br#"{"hello": "world"}"#, none()).await;
+    p.send(&action("evt-bad-schema", json!({"run_id": "run_5", "tool": "send_email", "idempotency_key": "k-schema"}))).await;
+    p.send(&action("evt-unknown-tool", json!({"run_id": "run_5", "tool": "launch_rockets", "args": {}}))).await;
+    p.send_raw(Some("k"), &vec![b' '; 5000], none()).await;
+    p.send(&action("evt-email-key", json!({"run_id": "run_5", "tool": "send_email", "args": {}, "idempotency_key": "send:ada@example.com"}))).await;
+    let binary = OwnedHeaders::new()
+        .insert(Header { key: "ce_specversion", value: Some("1.0") })
+        .insert(Header { key: "ce_id", value: Some("evt-binary-good") })
+        .insert(Header { key: "ce_source", value: Some("agent") })
+        .insert(Header { key: "ce_type", value: Some("dev.idem.action.v1") });
+    p.send_raw(Some("run_5"), &serde_json::to_vec(&email("run_5", "order_5", "Hi")).unwrap(), binary).await;
+
+    outcomes.answer("evt-binary-good", "succeeded").await;
+    dlq.wait_for("six dead letters", Duration::from_secs(30), |v| v.len() >= 6).await;
+    // Keyed differently, they land on different partitions: compare as a set.
+    let mut reasons: Vec<String> = dlq.all().iter().map(|m| m.headers["idem-dlq-reason"].clone()).collect();
+    reasons.sort();
+    assert_eq!(reasons, ["invalid_key", "not_cloudevent", "not_json", "oversize", "schema_invalid", "unknown_tool"]);
+    let all = dlq.all();
+    let first = all.iter().find(|m| m.headers["idem-dlq-reason"] == "not_json").unwrap();
+    assert_eq!(first.payload, b"this is not json", "the original bytes are kept");
+    assert_eq!(first.headers["idem-source-topic"], env.actions);
+    assert!(first.headers.contains_key("idem-source-offset") && first.headers.contains_key("idem-dlq-detail"));
+    let r = outcomes.answer("evt-unknown-tool", "rejected").await;
+    assert_eq!(r["data"]["error"]["code"], "unknown_tool");
+    let r = outcomes.answer("evt-bad-schema", "rejected").await;
+    assert_eq!(r["data"]["error"]["code"], "schema_invalid");
+    assert_eq!(r["data"]["idempotency_key"], "k-schema");
+    let r = outcomes.answer("evt-email-key", "rejected").await;
+    assert_eq!(r["data"]["error"]["code"], "invalid_key");
+    assert_eq!(env.downstream.total_effects(), 1);
+    let m = common::metrics(relay.admin()).await;
+    assert_eq!(common::sample(&m, r#"idem_dead_letters_total{reason="not_json"}"#), 1.0, "{m}");
+    relay.stop().await;
+}
+
+trait Tap: Sized {
+    fn tap(self, f: impl FnOnce(&mut Self)) -> Self;
+}
+
+impl<T> Tap for T {
+    fn tap(mut self, f: impl FnOnce(&mut Self)) -> Self {
+        f(&mut self);
+        self
+    }
+}
+
+#[tokio::test]
+async fn a_slow_tool_does_not_delay_a_fast_one() {
+    let env = Env::new().await;
+    let tools = r#"
+[[tools]]
+name = "slow_report"
+class = "idempotent"
+key = ["run_id", "tool", "business_id"]
+executor = { kind = "http", url = "{downstream}/v1/slow_report?delay_ms=2000", timeout = "10s" }
+
+[[tools]]
+name = "fast_lookup"
+class = "idempotent"
+key = ["run_id", "tool", "business_id"]
+executor = { kind = "http", url = "{downstream}/v1/fast_lookup", timeout = "10s" }
+"#;
+    let outcomes = env.outcomes().await;
+    let relay = env.start(env.config(tools, "").await).await;
+    let p = env.producer();
+    for i in 0..5 {
+        p.send(&action(&format!("slow-{i}"), json!({"run_id": "r6", "tool": "slow_report", "business_id": format!("s{i}"), "args": {}}))).await;
+    }
+    p.send(&action("fast-1", json!({"run_id": "r6", "tool": "fast_lookup", "business_id": "f1", "args": {}}))).await;
+    let all = outcomes
+        .wait_for("all six answered", Duration::from_secs(60), |v| v.len() >= 6)
+        .await;
+    let order: Vec<&str> = all.iter().map(|o| o["data"]["action_event_id"].as_str().unwrap()).collect();
+    assert_eq!(order[0], "fast-1", "the fast tool was answered before any slow one: {order:?}");
+    relay.stop().await;
+}
+
+const LEDGER: &str = r#"
+[[tools]]
+name = "ledger_credit"
+class = "dangerous"
+key = ["run_id", "tool", "business_id"]
+material = ["args.amount"]
+executor = { kind = "sql", statement = "insert into ledger (idempotency_key, amount) values ($1, $2::numeric) returning id, amount::text as amount", params = ["key", "args.amount"] }
+"#;
+
+/// The sql executor's effect commits with its outcome: killing the relay (SIGKILL) mid-stream
+/// and replaying every event after the restart leaves exactly one ledger row per key.
+#[tokio::test]
+async fn sql_executor_is_exactly_once_across_a_kill() {
+    let env = Env::new().await;
+    let config_text = env.config_text(LEDGER, "");
+    let config = env.config(LEDGER, "").await;
+    drop(config);
+    let pg = env.pg().await;
+    pg.batch_execute("create table ledger (id bigserial primary key, idempotency_key text not null, amount numeric not null)")
+        .await
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("idem.toml");
+    std::fs::write(&path, config_text).unwrap();
+    let spawn = || {
+        std::process::Command::new(env!("CARGO_BIN_EXE_idem"))
+            .args(["relay", "--config", path.to_str().unwrap()])
+            .env("IDEM_LOG", "warn")
+            .spawn()
+            .expect("relay binary starts")
+    };
+    let outcomes = env.outcomes().await;
+    let p = env.producer();
+    let events: Vec<_> = (0..400)
+        .map(|i| action(&format!("l-{i}"), json!({"run_id": "r7", "tool": "ledger_credit", "business_id": format!("b{}", i % 250), "args": {"amount": 10 + i % 250}})))
+        .collect();
+    let mut child = spawn();
+    for chunk in events.chunks(50) {
+        futures::future::join_all(chunk.iter().map(|e| p.send(e))).await;
+    }
+    // Kill it while it is working: once some, but not all, outcomes are out.
+    outcomes.wait_for("some outcomes", Duration::from_secs(60), |v| !v.is_empty()).await;
+    child.kill().unwrap();
+    child.wait().unwrap();
+
+    let mut child = spawn();
+    for chunk in events.chunks(50) {
+        futures::future::join_all(chunk.iter().map(|e| p.send(e))).await;
+    }
+    outcomes
+        .wait_for("every event answered", Duration::from_secs(120), |all| {
+            let answered: HashSet<&str> = all.iter().filter_map(|o| o["data"]["action_event_id"].as_str()).collect();
+            (0..400).all(|i| answered.contains(format!("l-{i}").as_str()))
+        })
+        .await;
+    let rows: Vec<(String, i64)> = pg
+        .query("select idempotency_key, count(*) from ledger group by 1", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert_eq!(rows.len(), 250);
+    let twice: Vec<_> = rows.iter().filter(|(_, n)| *n != 1).collect();
+    assert!(twice.is_empty(), "keys written more than once: {twice:?}");
+    let statuses: HashMap<String, i64> = pg
+        .query("select status, count(*) from intents group by 1", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert_eq!(statuses, HashMap::from([("succeeded".to_string(), 250)]));
+
+    // SIGTERM: a graceful stop exits 0.
+    unsafe_sigterm(child.id());
+    let status = child.wait().unwrap();
+    assert!(status.success(), "relay exited with {status:?} on SIGTERM");
+}
+
+fn unsafe_sigterm(pid: u32) {
+    std::process::Command::new("kill").args(["-TERM", &pid.to_string()]).status().unwrap();
+}
