@@ -32,7 +32,10 @@ pub fn router(state: AdminState) -> Router {
 
 async fn metrics(State(s): State<AdminState>) -> impl IntoResponse {
     (
-        [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
         s.metrics.render(),
     )
 }

@@ -34,7 +34,10 @@ fn reference(state: &KeyState) -> String {
         .as_ref()
         .and_then(|r| r.get("id"))
         .and_then(Value::as_str)
-        .map_or_else(|| format!("action {}", state.first_event_id), str::to_string)
+        .map_or_else(
+            || format!("action {}", state.first_event_id),
+            str::to_string,
+        )
 }
 
 fn first_note(state: &KeyState) -> String {
@@ -52,7 +55,9 @@ fn first_note(state: &KeyState) -> String {
             let (msg, retryable) = state
                 .error
                 .as_ref()
-                .map_or(("the downstream refused it", false), |e| (e.message.as_str(), e.retryable));
+                .map_or(("the downstream refused it", false), |e| {
+                    (e.message.as_str(), e.retryable)
+                });
             if retryable {
                 format!("Failed: {msg}. It was not done; it may succeed later with a new request.")
             } else {
@@ -64,7 +69,10 @@ fn first_note(state: &KeyState) -> String {
         }
         OutcomeStatus::PendingApproval => "Waiting for approval; do not retry.".to_string(),
         OutcomeStatus::Rejected => {
-            let msg = state.error.as_ref().map_or("rejected", |e| e.message.as_str());
+            let msg = state
+                .error
+                .as_ref()
+                .map_or("rejected", |e| e.message.as_str());
             format!("Rejected: {msg}. Nothing was done.")
         }
     }
@@ -188,7 +196,9 @@ pub fn rejected_input(
         }),
         duplicate: false,
         attempts: 0,
-        note: format!("Rejected: {message}. Nothing was done; fix the request before sending it again."),
+        note: format!(
+            "Rejected: {message}. Nothing was done; fix the request before sending it again."
+        ),
     };
     Outcome::new(
         outcome_id(key, &format!("answer:{action_event_id}")),
@@ -236,14 +246,29 @@ mod tests {
     #[test]
     fn status_change_ids_are_stable() {
         let s = state(OutcomeStatus::Succeeded);
-        assert_eq!(status_change(&s, 1, None).event_id, status_change(&s, 1, None).event_id);
-        assert_eq!(status_change(&s, 1, None).payload, status_change(&s, 1, None).payload);
-        assert_ne!(status_change(&s, 1, None).event_id, status_change(&s, 2, None).event_id);
+        assert_eq!(
+            status_change(&s, 1, None).event_id,
+            status_change(&s, 1, None).event_id
+        );
+        assert_eq!(
+            status_change(&s, 1, None).payload,
+            status_change(&s, 1, None).payload
+        );
+        assert_ne!(
+            status_change(&s, 1, None).event_id,
+            status_change(&s, 2, None).event_id
+        );
     }
 
     #[test]
     fn conflict_names_fields() {
-        let o = conflict(&state(OutcomeStatus::Succeeded), "evt-3", Some(5), vec!["args.to".into()], None);
+        let o = conflict(
+            &state(OutcomeStatus::Succeeded),
+            "evt-3",
+            Some(5),
+            vec!["args.to".into()],
+            None,
+        );
         let d = &o.payload["data"];
         assert_eq!(d["status"], "rejected");
         assert_eq!(d["error"]["code"], "key_conflict");

@@ -486,7 +486,10 @@ impl Config {
         Self::from_toml(&text, env)
     }
 
-    pub fn from_toml(text: &str, env: impl Fn(&str) -> Option<String>) -> Result<Self, ConfigError> {
+    pub fn from_toml(
+        text: &str,
+        env: impl Fn(&str) -> Option<String>,
+    ) -> Result<Self, ConfigError> {
         let raw: RawConfig = toml::from_str(text).map_err(|e| ConfigError::Parse(e.to_string()))?;
         Self::validate(raw, env)
     }
@@ -513,13 +516,23 @@ impl Config {
             ));
         }
         if outcomes_topic == dlq_topic {
-            return Err(invalid("kafka.dlq_topic", "must differ from outcomes_topic"));
+            return Err(invalid(
+                "kafka.dlq_topic",
+                "must differ from outcomes_topic",
+            ));
         }
         for (name, reserved) in [
-            ("consumer", ["enable.auto.offset.store", "group.id"].as_slice()),
+            (
+                "consumer",
+                ["enable.auto.offset.store", "group.id"].as_slice(),
+            ),
             ("producer", ["enable.idempotence", "acks"].as_slice()),
         ] {
-            let map = if name == "consumer" { &k.consumer } else { &k.producer };
+            let map = if name == "consumer" {
+                &k.consumer
+            } else {
+                &k.producer
+            };
             if let Some(key) = reserved.iter().find(|r| map.contains_key(**r)) {
                 return Err(invalid(
                     format!("kafka.{name}.{key}"),
@@ -534,9 +547,9 @@ impl Config {
             .map_err(|e| invalid("postgres.url", format!("not a Postgres URL: {e}")))?;
         let schema_ok = !p.schema.is_empty()
             && p.schema.len() <= 63
-            && p.schema.starts_with(|c: char| c.is_ascii_lowercase() || c == '_')
-            && p
-                .schema
+            && p.schema
+                .starts_with(|c: char| c.is_ascii_lowercase() || c == '_')
+            && p.schema
                 .chars()
                 .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
         if !schema_ok {
@@ -614,15 +627,18 @@ fn default_instance_id() -> String {
     let host = std::fs::read_to_string("/etc/hostname")
         .map(|h| h.trim().to_string())
         .unwrap_or_else(|_| "relay".into());
-    format!("{host}-{}-{}", std::process::id(), &uuid::Uuid::new_v4().simple().to_string()[..8])
+    format!(
+        "{host}-{}-{}",
+        std::process::id(),
+        &uuid::Uuid::new_v4().simple().to_string()[..8]
+    )
 }
 
 fn validate_tool(i: usize, t: RawTool, relay_concurrency: usize) -> Result<Tool, ConfigError> {
     let at = |f: &str| format!("tools[{i}].{f}");
     let name_ok = !t.name.is_empty()
         && t.name.len() <= 64
-        && t
-            .name
+        && t.name
             .chars()
             .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'));
     if !name_ok {
@@ -680,10 +696,20 @@ fn validate_tool(i: usize, t: RawTool, relay_concurrency: usize) -> Result<Tool,
                     FieldPath::parse(&at("executor.url"), &placeholder)?;
                 }
             }
-            let method_text = e.method.unwrap_or_else(|| "POST".into()).to_ascii_uppercase();
-            let method = reqwest::Method::from_bytes(method_text.as_bytes())
-                .map_err(|_| invalid(at("executor.method"), format!("`{method_text}` is not an HTTP method")))?;
-            let timeout = duration(&at("executor.timeout"), e.timeout.as_deref().unwrap_or("30s"))?;
+            let method_text = e
+                .method
+                .unwrap_or_else(|| "POST".into())
+                .to_ascii_uppercase();
+            let method = reqwest::Method::from_bytes(method_text.as_bytes()).map_err(|_| {
+                invalid(
+                    at("executor.method"),
+                    format!("`{method_text}` is not an HTTP method"),
+                )
+            })?;
+            let timeout = duration(
+                &at("executor.timeout"),
+                e.timeout.as_deref().unwrap_or("30s"),
+            )?;
             if timeout.is_zero() {
                 return Err(invalid(at("executor.timeout"), "must be more than 0"));
             }
@@ -691,7 +717,10 @@ fn validate_tool(i: usize, t: RawTool, relay_concurrency: usize) -> Result<Tool,
                 if reqwest::header::HeaderName::from_bytes(name.as_bytes()).is_err()
                     || reqwest::header::HeaderValue::from_str(value).is_err()
                 {
-                    return Err(invalid(at("executor.headers"), format!("`{name}` is not a valid header")));
+                    return Err(invalid(
+                        at("executor.headers"),
+                        format!("`{name}` is not a valid header"),
+                    ));
                 }
                 if name.eq_ignore_ascii_case("idempotency-key") {
                     return Err(invalid(
@@ -710,7 +739,10 @@ fn validate_tool(i: usize, t: RawTool, relay_concurrency: usize) -> Result<Tool,
                 ] {
                     for code in codes {
                         if !(100..=599).contains(&code) {
-                            return Err(invalid(at("executor.status"), format!("{code} is not an HTTP status")));
+                            return Err(invalid(
+                                at("executor.status"),
+                                format!("{code} is not an HTTP status"),
+                            ));
                         }
                         if status.overrides.insert(code, class).is_some() {
                             return Err(invalid(
@@ -731,12 +763,17 @@ fn validate_tool(i: usize, t: RawTool, relay_concurrency: usize) -> Result<Tool,
         }
         "sql" => {
             if e.url.is_some() || e.method.is_some() {
-                return Err(invalid(at("executor.url"), "belongs to kind = \"http\", not \"sql\""));
+                return Err(invalid(
+                    at("executor.url"),
+                    "belongs to kind = \"http\", not \"sql\"",
+                ));
             }
             let statement = e
                 .statement
                 .filter(|s| !s.trim().is_empty())
-                .ok_or_else(|| invalid(at("executor.statement"), "is required for kind = \"sql\""))?;
+                .ok_or_else(|| {
+                    invalid(at("executor.statement"), "is required for kind = \"sql\"")
+                })?;
             let params = e
                 .params
                 .iter()
@@ -783,15 +820,24 @@ fn validate_tool(i: usize, t: RawTool, relay_concurrency: usize) -> Result<Tool,
                 max_backoff: duration(&at("retry.max_backoff"), &r.max_backoff)?,
             };
             if policy.max_attempts == 0 || policy.max_attempts > 100 {
-                return Err(invalid(at("retry.max_attempts"), "must be between 1 and 100"));
+                return Err(invalid(
+                    at("retry.max_attempts"),
+                    "must be between 1 and 100",
+                ));
             }
             if policy.max_backoff < policy.initial_backoff {
-                return Err(invalid(at("retry.max_backoff"), "must not be shorter than initial_backoff"));
+                return Err(invalid(
+                    at("retry.max_backoff"),
+                    "must not be shorter than initial_backoff",
+                ));
             }
             policy
         }
     };
-    let concurrency = positive(&at("concurrency"), t.concurrency.unwrap_or(relay_concurrency))?;
+    let concurrency = positive(
+        &at("concurrency"),
+        t.concurrency.unwrap_or(relay_concurrency),
+    )?;
 
     Ok(Tool {
         name: t.name,
@@ -809,7 +855,9 @@ pub fn placeholders(template: &str) -> Vec<String> {
     let mut out = Vec::new();
     let mut rest = template;
     while let Some(start) = rest.find('{') {
-        let Some(len) = rest[start..].find('}') else { break };
+        let Some(len) = rest[start..].find('}') else {
+            break;
+        };
         out.push(rest[start + 1..start + len].to_string());
         rest = &rest[start + len + 1..];
     }
@@ -822,7 +870,10 @@ fn highest_placeholder(statement: &str) -> usize {
     let mut i = 0;
     while i < bytes.len() {
         if bytes[i] == b'$' {
-            let digits: String = statement[i + 1..].chars().take_while(|c| c.is_ascii_digit()).collect();
+            let digits: String = statement[i + 1..]
+                .chars()
+                .take_while(|c| c.is_ascii_digit())
+                .collect();
             if let Ok(n) = digits.parse::<usize>() {
                 highest = highest.max(n);
             }
@@ -888,11 +939,23 @@ executor = { kind = "http", url = "http://127.0.0.1:8787/v1/send_email" }
             ("[relay]\nconcurrency = 0\n", "relay.concurrency"),
             ("[relay]\nbatch_linger = \"soon\"\n", "relay.batch_linger"),
             ("[kafka]\npartitions = 0\n", "kafka.partitions"),
-            ("[kafka]\nactions_topic = \"bad topic\"\n", "kafka.actions_topic"),
-            ("[kafka]\noutcomes_topic = \"idem.actions\"\n", "kafka.actions_topic"),
-            ("[kafka.consumer]\n\"enable.auto.offset.store\" = \"true\"\n", "kafka.consumer.enable.auto.offset.store"),
+            (
+                "[kafka]\nactions_topic = \"bad topic\"\n",
+                "kafka.actions_topic",
+            ),
+            (
+                "[kafka]\noutcomes_topic = \"idem.actions\"\n",
+                "kafka.actions_topic",
+            ),
+            (
+                "[kafka.consumer]\n\"enable.auto.offset.store\" = \"true\"\n",
+                "kafka.consumer.enable.auto.offset.store",
+            ),
             ("[postgres]\nurl = \"mysql://x\"\n", "postgres.url"),
-            ("[postgres]\nschema = \"Robert'); drop\"\n", "postgres.schema"),
+            (
+                "[postgres]\nschema = \"Robert'); drop\"\n",
+                "postgres.schema",
+            ),
             ("[admin]\nlisten = \"nowhere\"\n", "admin.listen"),
         ];
         for (text, field) in cases {
@@ -905,11 +968,26 @@ executor = { kind = "http", url = "http://127.0.0.1:8787/v1/send_email" }
     fn tool_errors_name_the_tool_field() {
         let cases = [
             (MINIMAL_TOOL.replace("dangerous", "risky"), "tools[0].class"),
-            (MINIMAL_TOOL.replace("\"business_id\"]", "\"subject\"]"), "tools[0].key"),
-            (MINIMAL_TOOL.replace("key = [\"run_id\", \"tool\", \"business_id\"]", "key = []"), "tools[0].key"),
-            (MINIMAL_TOOL.replace("\"args.to\"", "\"args.\""), "tools[0].material"),
-            (MINIMAL_TOOL.replace("http://127", "ftp://127"), "tools[0].executor.url"),
-            (MINIMAL_TOOL.replace("kind = \"http\"", "kind = \"grpc\""), "tools[0].executor.kind"),
+            (
+                MINIMAL_TOOL.replace("\"business_id\"]", "\"subject\"]"),
+                "tools[0].key",
+            ),
+            (
+                MINIMAL_TOOL.replace("key = [\"run_id\", \"tool\", \"business_id\"]", "key = []"),
+                "tools[0].key",
+            ),
+            (
+                MINIMAL_TOOL.replace("\"args.to\"", "\"args.\""),
+                "tools[0].material",
+            ),
+            (
+                MINIMAL_TOOL.replace("http://127", "ftp://127"),
+                "tools[0].executor.url",
+            ),
+            (
+                MINIMAL_TOOL.replace("kind = \"http\"", "kind = \"grpc\""),
+                "tools[0].executor.kind",
+            ),
             (format!("{MINIMAL_TOOL}{MINIMAL_TOOL}"), "tools[1].name"),
             (
                 MINIMAL_TOOL.replace("}", ", timeout = \"forever\" }"),
@@ -969,7 +1047,9 @@ executor = { kind = "sql", statement = "insert into t values ($1, $2) returning 
         assert_eq!(t.classify(302), StatusClass::Unknown);
         let text = MINIMAL_TOOL.replace("}", ", status = { failed = [409], retry = [500] } }");
         let c = Config::from_toml(&text, no_env).unwrap();
-        let Executor::Http(h) = &c.tools[0].executor else { panic!("http") };
+        let Executor::Http(h) = &c.tools[0].executor else {
+            panic!("http")
+        };
         assert_eq!(h.status.classify(409), StatusClass::Failed);
         assert_eq!(h.status.classify(500), StatusClass::Retry);
     }

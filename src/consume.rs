@@ -113,9 +113,10 @@ impl Consume {
         for (tool, origin) in &result.origins {
             self.metrics.consumed(*origin);
             match origin {
-                Origin::Redelivery | Origin::ProducerRetry | Origin::Replay | Origin::ModelRetry => {
-                    self.metrics.duplicate(tool, *origin)
-                }
+                Origin::Redelivery
+                | Origin::ProducerRetry
+                | Origin::Replay
+                | Origin::ModelRetry => self.metrics.duplicate(tool, *origin),
                 Origin::Conflict => {
                     self.metrics.conflict(tool);
                     self.metrics.rejection(tool, "key_conflict");
@@ -128,7 +129,11 @@ impl Consume {
         }
     }
 
-    async fn record(&self, items: &[Incoming], channel: &str) -> Result<store::BatchResult, DbError> {
+    async fn record(
+        &self,
+        items: &[Incoming],
+        channel: &str,
+    ) -> Result<store::BatchResult, DbError> {
         let mut client = self.pool.get().await?;
         let tx = client.transaction().await?;
         let r = store::record_batch(&tx, items, channel).await?;
@@ -144,15 +149,24 @@ impl Consume {
         };
         let headers: Vec<(&str, &[u8])> = m
             .headers()
-            .map(|h| h.iter().map(|h| (h.key, h.value.unwrap_or_default())).collect())
+            .map(|h| {
+                h.iter()
+                    .map(|h| (h.key, h.value.unwrap_or_default()))
+                    .collect()
+            })
             .unwrap_or_default();
         let rejected = |bad: BadAction| Incoming::Rejected {
             pos: pos.clone(),
             code: bad.reason.as_str(),
             message: bad.detail,
-            partial: bad.partial,
+            partial: bad.partial.map(|p| *p),
         };
-        let event = match event::decode_action(m.payload(), m.key(), &headers, self.config.relay.max_message_bytes) {
+        let event = match event::decode_action(
+            m.payload(),
+            m.key(),
+            &headers,
+            self.config.relay.max_message_bytes,
+        ) {
             Ok(e) => e,
             Err(bad) => return rejected(bad),
         };
@@ -164,7 +178,11 @@ impl Consume {
                     .data
                     .idempotency_key
                     .clone()
-                    .or_else(|| m.key().and_then(|k| std::str::from_utf8(k).ok()).map(str::to_string))
+                    .or_else(|| {
+                        m.key()
+                            .and_then(|k| std::str::from_utf8(k).ok())
+                            .map(str::to_string)
+                    })
                     .unwrap_or_else(|| event.data.run_id.clone()),
                 tool: Some(event.data.tool.clone()),
                 step: event.data.step,
@@ -214,15 +232,33 @@ impl Consume {
         let mut headers = OwnedHeaders::new();
         if let Some(h) = m.headers() {
             for h in h.iter() {
-                headers = headers.insert(Header { key: h.key, value: h.value });
+                headers = headers.insert(Header {
+                    key: h.key,
+                    value: h.value,
+                });
             }
         }
         let headers = headers
-            .insert(Header { key: "idem-dlq-reason", value: Some(reason) })
-            .insert(Header { key: "idem-dlq-detail", value: Some(detail) })
-            .insert(Header { key: "idem-source-topic", value: Some(m.topic()) })
-            .insert(Header { key: "idem-source-partition", value: Some(&partition) })
-            .insert(Header { key: "idem-source-offset", value: Some(&offset) });
+            .insert(Header {
+                key: "idem-dlq-reason",
+                value: Some(reason),
+            })
+            .insert(Header {
+                key: "idem-dlq-detail",
+                value: Some(detail),
+            })
+            .insert(Header {
+                key: "idem-source-topic",
+                value: Some(m.topic()),
+            })
+            .insert(Header {
+                key: "idem-source-partition",
+                value: Some(&partition),
+            })
+            .insert(Header {
+                key: "idem-source-offset",
+                value: Some(&offset),
+            });
         let mut backoff = Duration::from_millis(100);
         loop {
             let mut record: FutureRecord<'_, [u8], [u8]> =
@@ -243,6 +279,13 @@ impl Consume {
             }
         }
         self.metrics.dead_letter(reason);
-        tracing::warn!(reason, detail, topic = m.topic(), partition = m.partition(), offset = m.offset(), "action dead-lettered");
+        tracing::warn!(
+            reason,
+            detail,
+            topic = m.topic(),
+            partition = m.partition(),
+            offset = m.offset(),
+            "action dead-lettered"
+        );
     }
 }

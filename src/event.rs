@@ -48,7 +48,7 @@ pub struct BadAction {
     pub reason: DeadLetterReason,
     pub detail: String,
     /// Present when the event was readable far enough to answer it.
-    pub partial: Option<PartialAction>,
+    pub partial: Option<Box<PartialAction>>,
 }
 
 /// What a rejected outcome needs: enough to tell the producer which action failed.
@@ -108,12 +108,14 @@ fn header<'a>(headers: &'a Headers<'a>, name: &str) -> Option<&'a [u8]> {
 fn header_str(headers: &Headers<'_>, name: &str) -> Result<Option<String>, BadAction> {
     match header(headers, name) {
         None => Ok(None),
-        Some(v) => std::str::from_utf8(v).map(|s| Some(s.to_string())).map_err(|_| {
-            BadAction::new(
-                DeadLetterReason::NotCloudEvent,
-                format!("header {name} is not UTF-8"),
-            )
-        }),
+        Some(v) => std::str::from_utf8(v)
+            .map(|s| Some(s.to_string()))
+            .map_err(|_| {
+                BadAction::new(
+                    DeadLetterReason::NotCloudEvent,
+                    format!("header {name} is not UTF-8"),
+                )
+            }),
     }
 }
 
@@ -135,54 +137,70 @@ pub fn decode_action(
             ),
         ));
     }
-    let body: Value = serde_json::from_slice(payload)
-        .map_err(|e| BadAction::new(DeadLetterReason::NotJson, format!("payload is not JSON: {e}")))?;
+    let body: Value = serde_json::from_slice(payload).map_err(|e| {
+        BadAction::new(
+            DeadLetterReason::NotJson,
+            format!("payload is not JSON: {e}"),
+        )
+    })?;
 
-    let (id, source, ty, specversion, time, traceparent, data) =
-        if header(headers, "ce_specversion").is_some() {
-            (
-                header_str(headers, "ce_id")?,
-                header_str(headers, "ce_source")?,
-                header_str(headers, "ce_type")?,
-                header_str(headers, "ce_specversion")?,
-                header_str(headers, "ce_time")?,
-                header_str(headers, "ce_traceparent")?.or(header_str(headers, "traceparent")?),
-                Some(body),
-            )
-        } else {
-            let Value::Object(mut event) = body else {
-                return Err(BadAction::new(
+    let (id, source, ty, specversion, time, traceparent, data) = if header(
+        headers,
+        "ce_specversion",
+    )
+    .is_some()
+    {
+        (
+            header_str(headers, "ce_id")?,
+            header_str(headers, "ce_source")?,
+            header_str(headers, "ce_type")?,
+            header_str(headers, "ce_specversion")?,
+            header_str(headers, "ce_time")?,
+            header_str(headers, "ce_traceparent")?.or(header_str(headers, "traceparent")?),
+            Some(body),
+        )
+    } else {
+        let Value::Object(mut event) = body else {
+            return Err(BadAction::new(
                     DeadLetterReason::NotCloudEvent,
                     "payload is not a JSON object with CloudEvents attributes, and there are no ce_* headers",
                 ));
-            };
-            if !event.contains_key("specversion") {
-                return Err(BadAction::new(
+        };
+        if !event.contains_key("specversion") {
+            return Err(BadAction::new(
                     DeadLetterReason::NotCloudEvent,
                     "no specversion attribute (structured mode) and no ce_specversion header (binary mode)",
                 ));
+        }
+        let mut text = |name: &str| -> Result<Option<String>, BadAction> {
+            match event.remove(name) {
+                None | Some(Value::Null) => Ok(None),
+                Some(Value::String(s)) => Ok(Some(s)),
+                Some(_) => Err(BadAction::new(
+                    DeadLetterReason::NotCloudEvent,
+                    format!("attribute {name} must be a string"),
+                )),
             }
-            let mut text = |name: &str| -> Result<Option<String>, BadAction> {
-                match event.remove(name) {
-                    None | Some(Value::Null) => Ok(None),
-                    Some(Value::String(s)) => Ok(Some(s)),
-                    Some(_) => Err(BadAction::new(
-                        DeadLetterReason::NotCloudEvent,
-                        format!("attribute {name} must be a string"),
-                    )),
-                }
-            };
-            let id = text("id")?;
-            let source = text("source")?;
-            let ty = text("type")?;
-            let specversion = text("specversion")?;
-            let time = text("time")?;
-            let traceparent = match text("traceparent")? {
-                Some(t) => Some(t),
-                None => header_str(headers, "traceparent")?,
-            };
-            (id, source, ty, specversion, time, traceparent, event.remove("data"))
         };
+        let id = text("id")?;
+        let source = text("source")?;
+        let ty = text("type")?;
+        let specversion = text("specversion")?;
+        let time = text("time")?;
+        let traceparent = match text("traceparent")? {
+            Some(t) => Some(t),
+            None => header_str(headers, "traceparent")?,
+        };
+        (
+            id,
+            source,
+            ty,
+            specversion,
+            time,
+            traceparent,
+            event.remove("data"),
+        )
+    };
 
     let need = |v: Option<String>, name: &str| {
         v.filter(|s| !s.is_empty()).ok_or_else(|| {
@@ -205,7 +223,7 @@ pub fn decode_action(
 
     let data = data.unwrap_or(Value::Null);
     // Read what we can before validating, so a schema-invalid event can still be answered.
-    let partial = partial_from(&id, &data, kafka_key);
+    let partial = partial_from(&id, &data, kafka_key).map(Box::new);
     let fail = |reason, detail: String| BadAction {
         reason,
         detail,
@@ -220,13 +238,22 @@ pub fn decode_action(
     let data: ActionData = serde_json::from_value(data)
         .map_err(|e| fail(DeadLetterReason::SchemaInvalid, format!("data: {e}")))?;
     if data.run_id.is_empty() {
-        return Err(fail(DeadLetterReason::SchemaInvalid, "data.run_id must not be empty".into()));
+        return Err(fail(
+            DeadLetterReason::SchemaInvalid,
+            "data.run_id must not be empty".into(),
+        ));
     }
     if data.tool.is_empty() {
-        return Err(fail(DeadLetterReason::SchemaInvalid, "data.tool must not be empty".into()));
+        return Err(fail(
+            DeadLetterReason::SchemaInvalid,
+            "data.tool must not be empty".into(),
+        ));
     }
     if data.step.is_some_and(|s| s < 0) {
-        return Err(fail(DeadLetterReason::SchemaInvalid, "data.step must be >= 0".into()));
+        return Err(fail(
+            DeadLetterReason::SchemaInvalid,
+            "data.step must be >= 0".into(),
+        ));
     }
     if let Some(traceparent) = &traceparent {
         if !valid_traceparent(traceparent) {
@@ -246,13 +273,21 @@ pub fn decode_action(
 }
 
 fn partial_from(event_id: &str, data: &Value, kafka_key: Option<&[u8]>) -> Option<PartialAction> {
-    let run_id = data.get("run_id")?.as_str().filter(|s| !s.is_empty())?.to_string();
+    let run_id = data
+        .get("run_id")?
+        .as_str()
+        .filter(|s| !s.is_empty())?
+        .to_string();
     let key = data
         .get("idempotency_key")
         .and_then(Value::as_str)
         .map(str::to_string)
         // The producer keys its messages by the idempotency key (or the run id).
-        .or_else(|| kafka_key.and_then(|k| std::str::from_utf8(k).ok()).map(str::to_string))
+        .or_else(|| {
+            kafka_key
+                .and_then(|k| std::str::from_utf8(k).ok())
+                .map(str::to_string)
+        })
         .unwrap_or_else(|| run_id.clone());
     Some(PartialAction {
         event_id: event_id.to_string(),
@@ -265,8 +300,14 @@ fn partial_from(event_id: &str, data: &Value, kafka_key: Option<&[u8]>) -> Optio
 
 fn valid_traceparent(t: &str) -> bool {
     let parts: Vec<&str> = t.split('-').collect();
-    let hex = |s: &str, n: usize| s.len() == n && s.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'));
-    parts.len() == 4 && hex(parts[0], 2) && hex(parts[1], 32) && hex(parts[2], 16) && hex(parts[3], 2)
+    let hex = |s: &str, n: usize| {
+        s.len() == n && s.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+    };
+    parts.len() == 4
+        && hex(parts[0], 2)
+        && hex(parts[1], 32)
+        && hex(parts[2], 16)
+        && hex(parts[3], 2)
 }
 
 /// Status of a key as reported in outcome events.
@@ -346,11 +387,23 @@ pub fn outcome_id(key: &str, answer: &str) -> String {
     h.update(answer.as_bytes());
     let digest = h.finalize();
     let hex = hex::encode(&digest[..16]);
-    format!("{}-{}-{}-{}-{}", &hex[..8], &hex[8..12], &hex[12..16], &hex[16..20], &hex[20..32])
+    format!(
+        "{}-{}-{}-{}-{}",
+        &hex[..8],
+        &hex[8..12],
+        &hex[12..16],
+        &hex[16..20],
+        &hex[20..32]
+    )
 }
 
 impl Outcome {
-    pub fn new(event_id: String, data: OutcomeData, time: chrono::DateTime<chrono::Utc>, traceparent: Option<String>) -> Self {
+    pub fn new(
+        event_id: String,
+        data: OutcomeData,
+        time: chrono::DateTime<chrono::Utc>,
+        traceparent: Option<String>,
+    ) -> Self {
         let key = data.idempotency_key.clone();
         let mut payload = serde_json::json!({
             "specversion": "1.0",
@@ -390,7 +443,9 @@ mod tests {
 
     #[test]
     fn structured_mode_decodes() {
-        let body = structured(json!({"run_id": "r1", "tool": "send_email", "args": {"to": "a"}, "step": 4}));
+        let body = structured(
+            json!({"run_id": "r1", "tool": "send_email", "args": {"to": "a"}, "step": 4}),
+        );
         let e = decode_action(Some(&body), None, &[], MAX).unwrap();
         assert_eq!(e.id, "evt-1");
         assert_eq!(e.data.run_id, "r1");
@@ -418,15 +473,32 @@ mod tests {
         let cases: Vec<(Vec<u8>, DeadLetterReason)> = vec![
             (b"not json {".to_vec(), DeadLetterReason::NotJson),
             (b"[1,2]".to_vec(), DeadLetterReason::NotCloudEvent),
-            (br#"{"hello":"world"}"#.to_vec(), DeadLetterReason::NotCloudEvent),
-            (br#"{"specversion":"0.3","id":"x","source":"s","type":"t"}"#.to_vec(), DeadLetterReason::NotCloudEvent),
-            (structured(json!({"run_id": "r1", "tool": "t"})), DeadLetterReason::SchemaInvalid),
-            (structured(json!({"run_id": "r1", "tool": "t", "args": [], "extra": 1})), DeadLetterReason::SchemaInvalid),
+            (
+                br#"{"hello":"world"}"#.to_vec(),
+                DeadLetterReason::NotCloudEvent,
+            ),
+            (
+                br#"{"specversion":"0.3","id":"x","source":"s","type":"t"}"#.to_vec(),
+                DeadLetterReason::NotCloudEvent,
+            ),
+            (
+                structured(json!({"run_id": "r1", "tool": "t"})),
+                DeadLetterReason::SchemaInvalid,
+            ),
+            (
+                structured(json!({"run_id": "r1", "tool": "t", "args": [], "extra": 1})),
+                DeadLetterReason::SchemaInvalid,
+            ),
             (vec![b' '; MAX + 1], DeadLetterReason::Oversize),
         ];
         for (body, reason) in cases {
             let e = decode_action(Some(&body), None, &[], MAX).unwrap_err();
-            assert_eq!(e.reason, reason, "{}", String::from_utf8_lossy(&body[..body.len().min(80)]));
+            assert_eq!(
+                e.reason,
+                reason,
+                "{}",
+                String::from_utf8_lossy(&body[..body.len().min(80)])
+            );
             assert!(!e.detail.is_empty());
         }
     }
@@ -436,7 +508,10 @@ mod tests {
         let body = structured(json!({"run_id": "r1", "tool": "t", "idempotency_key": "k1"}));
         let e = decode_action(Some(&body), None, &[], MAX).unwrap_err();
         let p = e.partial.expect("partial");
-        assert_eq!((p.run_id.as_str(), p.key.as_str(), p.event_id.as_str()), ("r1", "k1", "evt-1"));
+        assert_eq!(
+            (p.run_id.as_str(), p.key.as_str(), p.event_id.as_str()),
+            ("r1", "k1", "evt-1")
+        );
     }
 
     #[test]
@@ -449,7 +524,9 @@ mod tests {
 
     #[test]
     fn traceparent_is_checked() {
-        assert!(valid_traceparent("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"));
+        assert!(valid_traceparent(
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+        ));
         assert!(!valid_traceparent("00-xyz-00f067aa0ba902b7-01"));
     }
 }

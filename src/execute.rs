@@ -81,7 +81,12 @@ impl Executor {
         if !self.local.lock().expect("not poisoned").insert(id) {
             return;
         }
-        let slot = self.queue.clone().acquire_owned().await.expect("queue semaphore never closes");
+        let slot = self
+            .queue
+            .clone()
+            .acquire_owned()
+            .await
+            .expect("queue semaphore never closes");
         let this = self.clone();
         let tool = tool.to_string();
         let mut tasks = self.tasks.lock().expect("not poisoned");
@@ -98,7 +103,12 @@ impl Executor {
             Some(s) => Some(s.clone().acquire_owned().await.expect("never closed")),
             None => None,
         };
-        let permit = self.permits.clone().acquire_owned().await.expect("never closed");
+        let permit = self
+            .permits
+            .clone()
+            .acquire_owned()
+            .await
+            .expect("never closed");
         drop(slot);
         let mut backoff = Duration::from_millis(50);
         // Database trouble is retried: the intent is durable, and giving up would strand it
@@ -107,7 +117,10 @@ impl Executor {
             match self.execute(id).await {
                 Ok(()) => break,
                 Err(ExecError::Fenced) => {
-                    tracing::warn!(intent = id, "lease lost to another relay; result not recorded");
+                    tracing::warn!(
+                        intent = id,
+                        "lease lost to another relay; result not recorded"
+                    );
                     break;
                 }
                 Err(ExecError::Db(e)) if e.is_transient() => {
@@ -127,7 +140,9 @@ impl Executor {
 
     async fn execute(&self, id: i64) -> Result<(), ExecError> {
         let client = self.pool.get().await.map_err(DbError::from)?;
-        let Some(claimed) = store::claim(&**client, id, &self.owner, self.lease.as_secs_f64()).await? else {
+        let Some(claimed) =
+            store::claim(&**client, id, &self.owner, self.lease.as_secs_f64()).await?
+        else {
             return Ok(()); // somebody else has it, or it is already settled
         };
         drop(client);
@@ -153,7 +168,10 @@ impl Executor {
                 let settled = self.call_http(&tool, &claimed).await;
                 self.record(&claimed, &settled, None).await
             }
-            ExecutorKind::Sql(_) => self.record(&claimed, &Settled::placeholder(), Some(&tool)).await,
+            ExecutorKind::Sql(_) => {
+                self.record(&claimed, &Settled::placeholder(), Some(&tool))
+                    .await
+            }
         };
         self.metrics.inflight.dec();
         result
@@ -162,29 +180,52 @@ impl Executor {
     /// Runs the http call with the tool's retry policy. Retries only when the effect
     /// certainly did not happen, or when the tool is idempotent.
     async fn call_http(&self, tool: &Tool, c: &Claimed) -> Settled {
-        let ExecutorKind::Http(exec) = &tool.executor else { unreachable!("http tool") };
+        let ExecutorKind::Http(exec) = &tool.executor else {
+            unreachable!("http tool")
+        };
         let data = action_data(c);
         let url = http::fill_url(&exec.url, &c.key, &data);
         let mut attempts = 0;
         loop {
             attempts += 1;
-            let (attempt, took) = http::call(&self.http, exec, &url, &c.key, &c.args, c.traceparent.as_deref()).await;
-            self.metrics.side_effect_duration(&tool.name, took.as_secs_f64());
+            let (attempt, took) = http::call(
+                &self.http,
+                exec,
+                &url,
+                &c.key,
+                &c.args,
+                c.traceparent.as_deref(),
+            )
+            .await;
+            self.metrics
+                .side_effect_duration(&tool.name, took.as_secs_f64());
             let last = attempts >= tool.retry.max_attempts as i32;
             let wait = match &attempt {
                 Attempt::Succeeded(result) => {
                     self.metrics.side_effect(&tool.name);
-                    return Settled::new(OutcomeStatus::Succeeded, Some(result.clone()), None, attempts);
+                    return Settled::new(
+                        OutcomeStatus::Succeeded,
+                        Some(result.clone()),
+                        None,
+                        attempts,
+                    );
                 }
                 Attempt::Failed { status, body } => {
                     return Settled::new(
                         OutcomeStatus::Failed,
                         Some(body.clone()),
-                        Some(error("downstream_rejected", format!("the downstream answered {status}"), false)),
+                        Some(error(
+                            "downstream_rejected",
+                            format!("the downstream answered {status}"),
+                            false,
+                        )),
                         attempts,
                     );
                 }
-                Attempt::Retry { status, retry_after } => {
+                Attempt::Retry {
+                    status,
+                    retry_after,
+                } => {
                     if last {
                         return Settled::new(
                             OutcomeStatus::Failed,
@@ -229,14 +270,24 @@ impl Executor {
                 }
             };
             self.metrics.retry(&tool.name, attempt.retry_reason());
-            tracing::info!(attempt = attempts, wait_ms = wait.as_millis() as u64, reason = attempt.retry_reason(), "retrying");
+            tracing::info!(
+                attempt = attempts,
+                wait_ms = wait.as_millis() as u64,
+                reason = attempt.retry_reason(),
+                "retrying"
+            );
             tokio::time::sleep(wait).await;
         }
     }
 
     /// Finishes the intent in one transaction: for the sql executor the statement runs in it
     /// too, so the effect and its record commit together or not at all.
-    async fn record(&self, c: &Claimed, settled: &Settled, sql_tool: Option<&Tool>) -> Result<(), ExecError> {
+    async fn record(
+        &self,
+        c: &Claimed,
+        settled: &Settled,
+        sql_tool: Option<&Tool>,
+    ) -> Result<(), ExecError> {
         let mut client = self.pool.get().await.map_err(DbError::from)?;
         let tx = client.transaction().await.map_err(DbError::from)?;
         let settled = match sql_tool {
@@ -262,7 +313,11 @@ impl Executor {
         }
         let latency = (chrono::Utc::now() - c.started).num_milliseconds().max(0) as f64 / 1000.0;
         self.metrics.action_latency(&state.tool, latency);
-        tracing::info!(status = settled.status.as_str(), attempts = state.attempts, "outcome recorded");
+        tracing::info!(
+            status = settled.status.as_str(),
+            attempts = state.attempts,
+            "outcome recorded"
+        );
         Ok(())
     }
 
@@ -276,7 +331,9 @@ impl Executor {
             }
             match self.pool.get().await {
                 Ok(client) => {
-                    if let Err(e) = store::extend_leases(&**client, &self.owner, self.lease.as_secs_f64()).await {
+                    if let Err(e) =
+                        store::extend_leases(&**client, &self.owner, self.lease.as_secs_f64()).await
+                    {
                         tracing::warn!(error = %e, "cannot extend leases");
                     }
                 }
@@ -305,7 +362,10 @@ impl Executor {
         let mut client = self.pool.get().await?;
         if let Ok(counts) = store::parked_counts(&**client).await {
             for status in ["unknown", "pending_approval"] {
-                let n = counts.iter().find(|(s, _)| s == status).map_or(0, |(_, n)| *n);
+                let n = counts
+                    .iter()
+                    .find(|(s, _)| s == status)
+                    .map_or(0, |(_, n)| *n);
                 self.metrics.parked(status, n);
             }
         }
@@ -365,7 +425,10 @@ impl Executor {
                 Ok(Some(_)) => continue,
                 Ok(None) => return,
                 Err(_) => {
-                    tracing::warn!(left = tasks.len(), "shutdown grace over; leaving calls to recovery");
+                    tracing::warn!(
+                        left = tasks.len(),
+                        "shutdown grace over; leaving calls to recovery"
+                    );
                     tasks.abort_all();
                     return;
                 }
@@ -389,7 +452,12 @@ impl From<tokio_postgres::Error> for ExecError {
 }
 
 impl Settled {
-    fn new(status: OutcomeStatus, result: Option<Value>, error: Option<OutcomeError>, attempts: i32) -> Self {
+    fn new(
+        status: OutcomeStatus,
+        result: Option<Value>,
+        error: Option<OutcomeError>,
+        attempts: i32,
+    ) -> Self {
         Settled {
             status,
             result,
@@ -438,8 +506,14 @@ pub fn backoff(policy: &RetryPolicy, attempt: u32, retry_after: Option<Duration>
 
 /// Runs a sql tool's statement inside the outcome transaction, under a savepoint so a failing
 /// statement becomes a `failed` outcome instead of aborting the record.
-async fn run_sql(tx: &tokio_postgres::Transaction<'_>, tool: &Tool, c: &Claimed) -> Result<Settled, ExecError> {
-    let ExecutorKind::Sql(exec) = &tool.executor else { unreachable!("sql tool") };
+async fn run_sql(
+    tx: &tokio_postgres::Transaction<'_>,
+    tool: &Tool,
+    c: &Claimed,
+) -> Result<Settled, ExecError> {
+    let ExecutorKind::Sql(exec) = &tool.executor else {
+        unreachable!("sql tool")
+    };
     let data = action_data(c);
     let values: Vec<Value> = exec
         .params
@@ -459,12 +533,17 @@ async fn run_sql(tx: &tokio_postgres::Transaction<'_>, tool: &Tool, c: &Claimed)
             other => Some(other.to_string()),
         })
         .collect();
-    let params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> =
-        texts.iter().map(|t| t as &(dyn tokio_postgres::types::ToSql + Sync)).collect();
+    let params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> = texts
+        .iter()
+        .map(|t| t as &(dyn tokio_postgres::types::ToSql + Sync))
+        .collect();
     tx.batch_execute("savepoint idem_tool").await?;
     let started = Instant::now();
     let typed = tx
-        .prepare_typed(&exec.statement, &vec![tokio_postgres::types::Type::TEXT; texts.len()])
+        .prepare_typed(
+            &exec.statement,
+            &vec![tokio_postgres::types::Type::TEXT; texts.len()],
+        )
         .await;
     let outcome = match typed {
         Ok(stmt) => tx.query(&stmt, &params).await,
@@ -484,14 +563,21 @@ async fn run_sql(tx: &tokio_postgres::Transaction<'_>, tool: &Tool, c: &Claimed)
                 None,
                 Some(error(
                     "downstream_rejected",
-                    format!("the statement failed with SQLSTATE {state}: {}", e.as_db_error().map_or_else(|| e.to_string(), |d| d.message().to_string())),
+                    format!(
+                        "the statement failed with SQLSTATE {state}: {}",
+                        e.as_db_error()
+                            .map_or_else(|| e.to_string(), |d| d.message().to_string())
+                    ),
                     false,
                 )),
                 1,
             )
         }
     };
-    tracing::debug!(took_ms = started.elapsed().as_millis() as u64, "sql executed");
+    tracing::debug!(
+        took_ms = started.elapsed().as_millis() as u64,
+        "sql executed"
+    );
     Ok(settled)
 }
 
@@ -503,19 +589,40 @@ fn row_json(row: &tokio_postgres::Row) -> Value {
     for (i, col) in row.columns().iter().enumerate() {
         let t = col.type_();
         let v = if *t == Type::JSON || *t == Type::JSONB {
-            row.try_get::<_, Option<Value>>(i).ok().flatten().unwrap_or(Value::Null)
+            row.try_get::<_, Option<Value>>(i)
+                .ok()
+                .flatten()
+                .unwrap_or(Value::Null)
         } else if *t == Type::INT2 {
-            row.try_get::<_, Option<i16>>(i).ok().flatten().map_or(Value::Null, |n| json!(n))
+            row.try_get::<_, Option<i16>>(i)
+                .ok()
+                .flatten()
+                .map_or(Value::Null, |n| json!(n))
         } else if *t == Type::INT4 {
-            row.try_get::<_, Option<i32>>(i).ok().flatten().map_or(Value::Null, |n| json!(n))
+            row.try_get::<_, Option<i32>>(i)
+                .ok()
+                .flatten()
+                .map_or(Value::Null, |n| json!(n))
         } else if *t == Type::INT8 {
-            row.try_get::<_, Option<i64>>(i).ok().flatten().map_or(Value::Null, |n| json!(n))
+            row.try_get::<_, Option<i64>>(i)
+                .ok()
+                .flatten()
+                .map_or(Value::Null, |n| json!(n))
         } else if *t == Type::BOOL {
-            row.try_get::<_, Option<bool>>(i).ok().flatten().map_or(Value::Null, |b| json!(b))
+            row.try_get::<_, Option<bool>>(i)
+                .ok()
+                .flatten()
+                .map_or(Value::Null, |b| json!(b))
         } else if *t == Type::FLOAT8 {
-            row.try_get::<_, Option<f64>>(i).ok().flatten().map_or(Value::Null, |n| json!(n))
+            row.try_get::<_, Option<f64>>(i)
+                .ok()
+                .flatten()
+                .map_or(Value::Null, |n| json!(n))
         } else {
-            row.try_get::<_, Option<String>>(i).ok().flatten().map_or(Value::Null, Value::String)
+            row.try_get::<_, Option<String>>(i)
+                .ok()
+                .flatten()
+                .map_or(Value::Null, Value::String)
         };
         m.insert(col.name().to_string(), v);
     }
@@ -537,7 +644,13 @@ mod tests {
             assert!(backoff(&p, attempt, None) <= Duration::from_secs(1));
         }
         assert!(backoff(&p, 1, None) <= Duration::from_millis(100));
-        assert_eq!(backoff(&p, 1, Some(Duration::from_millis(700))), Duration::from_millis(700));
-        assert_eq!(backoff(&p, 1, Some(Duration::from_secs(60))), Duration::from_secs(1));
+        assert_eq!(
+            backoff(&p, 1, Some(Duration::from_millis(700))),
+            Duration::from_millis(700)
+        );
+        assert_eq!(
+            backoff(&p, 1, Some(Duration::from_secs(60))),
+            Duration::from_secs(1)
+        );
     }
 }

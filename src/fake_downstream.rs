@@ -32,8 +32,14 @@ use tokio_util::sync::CancellationToken;
 #[serde(untagged)]
 pub enum Step {
     Named(String),
-    Delay { delay_ms: u64 },
-    Status { status: u16, #[serde(default)] retry_after: Option<u64> },
+    Delay {
+        delay_ms: u64,
+    },
+    Status {
+        status: u16,
+        #[serde(default)]
+        retry_after: Option<u64>,
+    },
 }
 
 #[derive(Default)]
@@ -60,14 +66,22 @@ impl FakeDownstream {
     }
 
     /// Serves on `listener` until `shutdown`.
-    pub async fn serve(self, listener: tokio::net::TcpListener, shutdown: CancellationToken) -> std::io::Result<()> {
+    pub async fn serve(
+        self,
+        listener: tokio::net::TcpListener,
+        shutdown: CancellationToken,
+    ) -> std::io::Result<()> {
         axum::serve(listener, self.router())
             .with_graceful_shutdown(async move { shutdown.cancelled().await })
             .await
     }
 
     /// Binds `addr` and serves in the background; returns the bound address.
-    pub async fn spawn(self, addr: SocketAddr, shutdown: CancellationToken) -> std::io::Result<SocketAddr> {
+    pub async fn spawn(
+        self,
+        addr: SocketAddr,
+        shutdown: CancellationToken,
+    ) -> std::io::Result<SocketAddr> {
         let listener = tokio::net::TcpListener::bind(addr).await?;
         let bound = listener.local_addr()?;
         tokio::spawn(self.serve(listener, shutdown));
@@ -85,7 +99,13 @@ impl FakeDownstream {
 
     /// Effects performed for `key`.
     pub fn effects(&self, key: &str) -> u64 {
-        self.inner.lock().expect("not poisoned").by_key.get(key).copied().unwrap_or(0)
+        self.inner
+            .lock()
+            .expect("not poisoned")
+            .by_key
+            .get(key)
+            .copied()
+            .unwrap_or(0)
     }
 
     pub fn total_effects(&self) -> u64 {
@@ -99,7 +119,12 @@ impl FakeDownstream {
     /// Keys that saw more than one effect.
     pub fn repeated_keys(&self) -> Vec<(String, u64)> {
         let inner = self.inner.lock().expect("not poisoned");
-        let mut v: Vec<_> = inner.by_key.iter().filter(|(_, n)| **n > 1).map(|(k, n)| (k.clone(), *n)).collect();
+        let mut v: Vec<_> = inner
+            .by_key
+            .iter()
+            .filter(|(_, n)| **n > 1)
+            .map(|(k, n)| (k.clone(), *n))
+            .collect();
         v.sort();
         v
     }
@@ -112,7 +137,11 @@ impl FakeDownstream {
     pub fn script(&self, key: Option<&str>, steps: Vec<Step>) {
         let mut inner = self.inner.lock().expect("not poisoned");
         match key {
-            Some(k) => inner.script_by_key.entry(k.to_string()).or_default().extend(steps),
+            Some(k) => inner
+                .script_by_key
+                .entry(k.to_string())
+                .or_default()
+                .extend(steps),
             None => inner.script_any.extend(steps),
         }
     }
@@ -120,10 +149,17 @@ impl FakeDownstream {
     fn next_step(&self, key: &str) -> Step {
         let mut inner = self.inner.lock().expect("not poisoned");
         inner.requests += 1;
-        if let Some(step) = inner.script_by_key.get_mut(key).and_then(VecDeque::pop_front) {
+        if let Some(step) = inner
+            .script_by_key
+            .get_mut(key)
+            .and_then(VecDeque::pop_front)
+        {
             return step;
         }
-        inner.script_any.pop_front().unwrap_or(Step::Named("ok".into()))
+        inner
+            .script_any
+            .pop_front()
+            .unwrap_or(Step::Named("ok".into()))
     }
 
     /// Performs one effect (or replays the first, with `honor_key`).
@@ -138,7 +174,10 @@ impl FakeDownstream {
         let n = inner.total;
         *inner.by_key.entry(key.to_string()).or_default() += 1;
         let result = json!({"id": format!("eff_{n}"), "key": key, "tool": tool});
-        inner.first_result.entry(key.to_string()).or_insert_with(|| result.clone());
+        inner
+            .first_result
+            .entry(key.to_string())
+            .or_insert_with(|| result.clone());
         result
     }
 }
@@ -150,7 +189,9 @@ struct EffectQuery {
 
 /// A body that fails after the status line: the client sees the connection cut mid-response.
 fn cut_off() -> Response {
-    let stream = futures::stream::once(async { Err::<axum::body::Bytes, std::io::Error>(std::io::Error::other("cut")) });
+    let stream = futures::stream::once(async {
+        Err::<axum::body::Bytes, std::io::Error>(std::io::Error::other("cut"))
+    });
     Response::builder()
         .status(StatusCode::OK)
         .header("content-length", "100")
@@ -179,11 +220,16 @@ async fn effect(
             tokio::time::sleep(Duration::from_millis(delay_ms)).await;
             Json(d.perform(&key, &tool)).into_response()
         }
-        Step::Status { status, retry_after } => {
+        Step::Status {
+            status,
+            retry_after,
+        } => {
             let code = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-            let mut r = (code, Json(json!({"error": format!("scripted {status}")}))).into_response();
+            let mut r =
+                (code, Json(json!({"error": format!("scripted {status}")}))).into_response();
             if let Some(s) = retry_after {
-                r.headers_mut().insert("retry-after", s.to_string().parse().expect("digits"));
+                r.headers_mut()
+                    .insert("retry-after", s.to_string().parse().expect("digits"));
             }
             r
         }
@@ -212,7 +258,11 @@ async fn verify(State(d): State<FakeDownstream>, Path(key): Path<String>) -> Res
     let inner = d.inner.lock().expect("not poisoned");
     match inner.first_result.get(&key) {
         Some(r) => Json(r.clone()).into_response(),
-        None => (StatusCode::NOT_FOUND, Json(json!({"error": "no such effect"}))).into_response(),
+        None => (
+            StatusCode::NOT_FOUND,
+            Json(json!({"error": "no such effect"})),
+        )
+            .into_response(),
     }
 }
 

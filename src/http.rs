@@ -12,9 +12,15 @@ use crate::key;
 pub enum Attempt {
     Succeeded(Value),
     /// The downstream refused; the effect certainly did not happen.
-    Failed { status: u16, body: Value },
+    Failed {
+        status: u16,
+        body: Value,
+    },
     /// Nothing was processed (429/503 and friends); may be retried, after `retry_after` if given.
-    Retry { status: u16, retry_after: Option<Duration> },
+    Retry {
+        status: u16,
+        retry_after: Option<Duration>,
+    },
     /// The request never reached the downstream (connection refused, DNS, connect timeout).
     NotSent(String),
     /// The request was sent and the effect may have happened: timeout, reset, 5xx.
@@ -39,7 +45,9 @@ pub fn fill_url(template: &str, idem_key: &str, data: &crate::event::ActionData)
     let mut out = String::with_capacity(template.len() + idem_key.len());
     let mut rest = template;
     while let Some(start) = rest.find('{') {
-        let Some(len) = rest[start..].find('}') else { break };
+        let Some(len) = rest[start..].find('}') else {
+            break;
+        };
         out.push_str(&rest[..start]);
         let name = &rest[start + 1..start + len];
         let value = if name == "key" {
@@ -112,9 +120,9 @@ pub async fn call(
             match resp.bytes().await {
                 // The status line arrived but the body did not: for a success that is a reset
                 // mid-response, and the effect may well have happened.
-                Err(e) if class == StatusClass::Succeeded => {
-                    Attempt::Ambiguous(format!("status {status} but the response body was cut off: {e}"))
-                }
+                Err(e) if class == StatusClass::Succeeded => Attempt::Ambiguous(format!(
+                    "status {status} but the response body was cut off: {e}"
+                )),
                 Err(_) => classify_status(class, status, after, &[]),
                 Ok(bytes) => classify_status(class, status, after, &bytes),
             }
@@ -123,7 +131,12 @@ pub async fn call(
     (attempt, started.elapsed())
 }
 
-fn classify_status(class: StatusClass, status: u16, after: Option<Duration>, body: &[u8]) -> Attempt {
+fn classify_status(
+    class: StatusClass,
+    status: u16,
+    after: Option<Duration>,
+    body: &[u8],
+) -> Attempt {
     match class {
         StatusClass::Succeeded => Attempt::Succeeded(body_value(status, body)),
         StatusClass::Failed => Attempt::Failed {
@@ -170,13 +183,23 @@ mod tests {
 
     #[test]
     fn statuses_map_to_attempts() {
-        assert!(matches!(classify_status(StatusClass::Succeeded, 200, None, b"{\"id\":1}"), Attempt::Succeeded(v) if v["id"] == 1));
-        assert!(matches!(classify_status(StatusClass::Succeeded, 204, None, b""), Attempt::Succeeded(v) if v["status"] == 204));
-        assert!(matches!(classify_status(StatusClass::Failed, 422, None, b"no"), Attempt::Failed { status: 422, .. }));
+        assert!(
+            matches!(classify_status(StatusClass::Succeeded, 200, None, b"{\"id\":1}"), Attempt::Succeeded(v) if v["id"] == 1)
+        );
+        assert!(
+            matches!(classify_status(StatusClass::Succeeded, 204, None, b""), Attempt::Succeeded(v) if v["status"] == 204)
+        );
+        assert!(matches!(
+            classify_status(StatusClass::Failed, 422, None, b"no"),
+            Attempt::Failed { status: 422, .. }
+        ));
         assert!(matches!(
             classify_status(StatusClass::Retry, 429, Some(Duration::from_secs(2)), b""),
             Attempt::Retry { status: 429, retry_after: Some(d) } if d == Duration::from_secs(2)
         ));
-        assert!(matches!(classify_status(StatusClass::Unknown, 500, None, b""), Attempt::Ambiguous(_)));
+        assert!(matches!(
+            classify_status(StatusClass::Unknown, 500, None, b""),
+            Attempt::Ambiguous(_)
+        ));
     }
 }

@@ -36,7 +36,10 @@ impl ClientContext for RelayContext {
     }
 
     fn error(&self, error: KafkaError, reason: &str) {
-        if matches!(error.rdkafka_error_code(), Some(RDKafkaErrorCode::AllBrokersDown)) {
+        if matches!(
+            error.rdkafka_error_code(),
+            Some(RDKafkaErrorCode::AllBrokersDown)
+        ) {
             self.brokers_up.store(false, Ordering::Relaxed);
         }
         tracing::warn!(%error, reason, "kafka client error");
@@ -44,7 +47,10 @@ impl ClientContext for RelayContext {
 
     fn log(&self, level: RDKafkaLogLevel, fac: &str, log_message: &str) {
         match level {
-            RDKafkaLogLevel::Emerg | RDKafkaLogLevel::Alert | RDKafkaLogLevel::Critical | RDKafkaLogLevel::Error => {
+            RDKafkaLogLevel::Emerg
+            | RDKafkaLogLevel::Alert
+            | RDKafkaLogLevel::Critical
+            | RDKafkaLogLevel::Error => {
                 tracing::error!(facility = fac, "{log_message}")
             }
             RDKafkaLogLevel::Warning => tracing::warn!(facility = fac, "{log_message}"),
@@ -67,7 +73,11 @@ impl ConsumerContext for RelayContext {
         }
     }
 
-    fn commit_callback(&self, result: rdkafka::error::KafkaResult<()>, _offsets: &TopicPartitionList) {
+    fn commit_callback(
+        &self,
+        result: rdkafka::error::KafkaResult<()>,
+        _offsets: &TopicPartitionList,
+    ) {
         if let Err(error) = result {
             if !matches!(error.rdkafka_error_code(), Some(RDKafkaErrorCode::NoOffset)) {
                 tracing::warn!(%error, "offset commit failed; the next commit carries the same offsets");
@@ -121,8 +131,16 @@ pub async fn ensure_topics(cfg: &KafkaConfig) -> Result<(), KafkaError> {
         .set("bootstrap.servers", &cfg.brokers)
         .create()?;
     let topics = [
-        NewTopic::new(&cfg.actions_topic, cfg.partitions, TopicReplication::Fixed(1)),
-        NewTopic::new(&cfg.outcomes_topic, cfg.partitions, TopicReplication::Fixed(1)),
+        NewTopic::new(
+            &cfg.actions_topic,
+            cfg.partitions,
+            TopicReplication::Fixed(1),
+        ),
+        NewTopic::new(
+            &cfg.outcomes_topic,
+            cfg.partitions,
+            TopicReplication::Fixed(1),
+        ),
         NewTopic::new(&cfg.dlq_topic, 1, TopicReplication::Fixed(1)),
     ];
     let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(30)));

@@ -37,7 +37,10 @@ pub fn field<'a>(data: &'a ActionData, path: &FieldPath) -> FieldValue<'a> {
         "run_id" => FieldValue::Str(&data.run_id),
         "tool" => FieldValue::Str(&data.tool),
         "step" => data.step.map_or(FieldValue::Missing, FieldValue::Int),
-        "business_id" => data.business_id.as_deref().map_or(FieldValue::Missing, FieldValue::Str),
+        "business_id" => data
+            .business_id
+            .as_deref()
+            .map_or(FieldValue::Missing, FieldValue::Str),
         other => {
             let rest = other.strip_prefix("args.").unwrap_or(other);
             let mut parts = rest.split('.');
@@ -117,10 +120,13 @@ fn contains_email(s: &str) -> bool {
     let domain_char = |c: char| c.is_alphanumeric() || ".-".contains(c);
     s.match_indices('@').any(|(at, _)| {
         let before = s[..at].chars().next_back().is_some_and(local_char);
-        let domain: String = s[at + 1..].chars().take_while(|c| domain_char(*c)).collect();
-        let dotted = domain
-            .rsplit_once('.')
-            .is_some_and(|(host, tld)| !host.is_empty() && tld.len() >= 2 && tld.chars().all(char::is_alphabetic));
+        let domain: String = s[at + 1..]
+            .chars()
+            .take_while(|c| domain_char(*c))
+            .collect();
+        let dotted = domain.rsplit_once('.').is_some_and(|(host, tld)| {
+            !host.is_empty() && tld.len() >= 2 && tld.chars().all(char::is_alphabetic)
+        });
         before && dotted
     })
 }
@@ -146,7 +152,9 @@ pub fn differing_fields(stored: &Value, incoming: &Map<String, Value>) -> Vec<St
     let mut names: Vec<String> = stored
         .keys()
         .chain(incoming.keys())
-        .filter(|k| stored.get(*k).unwrap_or(&Value::Null) != incoming.get(*k).unwrap_or(&Value::Null))
+        .filter(|k| {
+            stored.get(*k).unwrap_or(&Value::Null) != incoming.get(*k).unwrap_or(&Value::Null)
+        })
         .cloned()
         .collect();
     names.sort();
@@ -183,27 +191,45 @@ executor = { kind = "http", url = "http://127.0.0.1:1/x" }
 
     #[test]
     fn template_key_ignores_free_text() {
-        let a = data(json!({"run_id": "run_42", "tool": "send_email", "business_id": "order_8812",
-            "args": {"to": "x", "template": "refund_approved", "subject": "Your refund"}}));
-        let b = data(json!({"run_id": "run_42", "tool": "send_email", "business_id": "order_8812", "step": 5,
-            "args": {"to": "x", "template": "refund_approved", "subject": "About your refund!"}}));
+        let a = data(
+            json!({"run_id": "run_42", "tool": "send_email", "business_id": "order_8812",
+            "args": {"to": "x", "template": "refund_approved", "subject": "Your refund"}}),
+        );
+        let b = data(
+            json!({"run_id": "run_42", "tool": "send_email", "business_id": "order_8812", "step": 5,
+            "args": {"to": "x", "template": "refund_approved", "subject": "About your refund!"}}),
+        );
         let t = tool();
-        assert_eq!(derive_key(&t, &a).unwrap(), "run_42:send_email:order_8812:refund_approved");
+        assert_eq!(
+            derive_key(&t, &a).unwrap(),
+            "run_42:send_email:order_8812:refund_approved"
+        );
         assert_eq!(derive_key(&t, &a), derive_key(&t, &b));
-        assert_eq!(hash_json(&Value::Object(material(&t, &a))), hash_json(&Value::Object(material(&t, &b))));
-        assert_ne!(hash_json(&Value::Object(a.args.clone())), hash_json(&Value::Object(b.args.clone())));
+        assert_eq!(
+            hash_json(&Value::Object(material(&t, &a))),
+            hash_json(&Value::Object(material(&t, &b)))
+        );
+        assert_ne!(
+            hash_json(&Value::Object(a.args.clone())),
+            hash_json(&Value::Object(b.args.clone()))
+        );
     }
 
     #[test]
     fn explicit_key_wins() {
-        let d = data(json!({"run_id": "r", "tool": "send_email", "args": {}, "idempotency_key": "orch-1"}));
+        let d = data(
+            json!({"run_id": "r", "tool": "send_email", "args": {}, "idempotency_key": "orch-1"}),
+        );
         assert_eq!(derive_key(&tool(), &d).unwrap(), "orch-1");
     }
 
     #[test]
     fn missing_key_field_is_named() {
         let d = data(json!({"run_id": "r", "tool": "send_email", "args": {"template": "t"}}));
-        assert_eq!(derive_key(&tool(), &d), Err(KeyError::MissingField("business_id".into())));
+        assert_eq!(
+            derive_key(&tool(), &d),
+            Err(KeyError::MissingField("business_id".into()))
+        );
     }
 
     #[test]
@@ -212,8 +238,14 @@ executor = { kind = "http", url = "http://127.0.0.1:1/x" }
         assert_eq!(validate_key(&"k".repeat(256)), Err(KeyError::TooLong(256)));
         assert_eq!(validate_key("a\nb"), Err(KeyError::NotPrintable));
         assert_eq!(validate_key(""), Err(KeyError::Empty));
-        assert_eq!(validate_key("run:send:ada@example.com"), Err(KeyError::ContainsEmail));
-        assert_eq!(validate_key("run:send:Ada.Lovelace+x@mail.example.org:t"), Err(KeyError::ContainsEmail));
+        assert_eq!(
+            validate_key("run:send:ada@example.com"),
+            Err(KeyError::ContainsEmail)
+        );
+        assert_eq!(
+            validate_key("run:send:Ada.Lovelace+x@mail.example.org:t"),
+            Err(KeyError::ContainsEmail)
+        );
         assert_eq!(validate_key("run@2:step@3"), Ok(()));
         assert_eq!(validate_key("team@home"), Ok(()));
     }
@@ -224,6 +256,9 @@ executor = { kind = "http", url = "http://127.0.0.1:1/x" }
         let mut incoming = Map::new();
         incoming.insert("args.to".into(), json!("b"));
         incoming.insert("args.template".into(), json!("t"));
-        assert_eq!(differing_fields(&stored, &incoming), vec!["args.to".to_string()]);
+        assert_eq!(
+            differing_fields(&stored, &incoming),
+            vec!["args.to".to_string()]
+        );
     }
 }

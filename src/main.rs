@@ -14,7 +14,11 @@ use tokio_util::sync::CancellationToken;
 use idem::config::Config;
 
 #[derive(Parser)]
-#[command(name = "idem", version, about = "Exactly-once execution of agent tool calls over Kafka and Postgres")]
+#[command(
+    name = "idem",
+    version,
+    about = "Exactly-once execution of agent tool calls over Kafka and Postgres"
+)]
 struct Cli {
     /// Log format on stderr.
     #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text)]
@@ -76,7 +80,7 @@ enum Command {
     },
 }
 
-fn load(path: &PathBuf) -> anyhow::Result<Config> {
+fn load(path: &std::path::Path) -> anyhow::Result<Config> {
     Ok(Config::load(path, |k| std::env::var(k).ok())?)
 }
 
@@ -85,7 +89,9 @@ async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let filter = tracing_subscriber::EnvFilter::try_from_env("IDEM_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
     match cli.log_format {
         LogFormat::Text => builder.init(),
         LogFormat::Json => builder.json().init(),
@@ -107,12 +113,26 @@ async fn main() -> anyhow::Result<()> {
             if applied.is_empty() {
                 println!("schema {} is up to date", config.postgres.schema);
             } else {
-                println!("schema {}: applied migrations {applied:?}", config.postgres.schema);
+                println!(
+                    "schema {}: applied migrations {applied:?}",
+                    config.postgres.schema
+                );
             }
         }
-        Command::Publish { config, tool, run_id, args, business_id, step, key, event_id, wait } => {
+        Command::Publish {
+            config,
+            tool,
+            run_id,
+            args,
+            business_id,
+            step,
+            key,
+            event_id,
+            wait,
+        } => {
             let config = load(&config)?;
-            let args: serde_json::Value = serde_json::from_str(&args).context("--args is not JSON")?;
+            let args: serde_json::Value =
+                serde_json::from_str(&args).context("--args is not JSON")?;
             if !args.is_object() {
                 bail!("--args must be a JSON object");
             }
@@ -144,12 +164,15 @@ async fn main() -> anyhow::Result<()> {
                 .create()?;
             producer
                 .send(
-                    FutureRecord::to(&config.kafka.actions_topic).key(&kafka_key).payload(&payload).headers(
-                        rdkafka::message::OwnedHeaders::new().insert(rdkafka::message::Header {
-                            key: "content-type",
-                            value: Some(idem::event::STRUCTURED_CONTENT_TYPE),
-                        }),
-                    ),
+                    FutureRecord::to(&config.kafka.actions_topic)
+                        .key(&kafka_key)
+                        .payload(&payload)
+                        .headers(rdkafka::message::OwnedHeaders::new().insert(
+                            rdkafka::message::Header {
+                                key: "content-type",
+                                value: Some(idem::event::STRUCTURED_CONTENT_TYPE),
+                            },
+                        )),
                     Duration::from_secs(30),
                 )
                 .await
@@ -162,7 +185,9 @@ async fn main() -> anyhow::Result<()> {
                         .await
                         .with_context(|| format!("no outcome for action {id} within {secs}s"))??;
                     let Some(p) = m.payload() else { continue };
-                    let Ok(v) = serde_json::from_slice::<serde_json::Value>(p) else { continue };
+                    let Ok(v) = serde_json::from_slice::<serde_json::Value>(p) else {
+                        continue;
+                    };
                     if v["data"]["action_event_id"] == id.as_str() {
                         println!("{}", serde_json::to_string_pretty(&v)?);
                         break;
@@ -177,9 +202,13 @@ async fn main() -> anyhow::Result<()> {
                 wait_for_signal().await;
                 signal.cancel();
             });
-            let listener = tokio::net::TcpListener::bind(listen).await.with_context(|| format!("cannot listen on {listen}"))?;
+            let listener = tokio::net::TcpListener::bind(listen)
+                .await
+                .with_context(|| format!("cannot listen on {listen}"))?;
             tracing::info!(%listen, honor_key, "fake downstream serving");
-            idem::fake_downstream::FakeDownstream::new(honor_key).serve(listener, shutdown).await?;
+            idem::fake_downstream::FakeDownstream::new(honor_key)
+                .serve(listener, shutdown)
+                .await?;
         }
     }
     Ok(())
@@ -197,7 +226,10 @@ async fn outcome_consumer(config: &Config) -> anyhow::Result<StreamConsumer> {
     let deadline = std::time::Instant::now() + Duration::from_secs(15);
     while consumer.assignment()?.count() == 0 {
         if std::time::Instant::now() > deadline {
-            bail!("no partitions of {} assigned within 15s", config.kafka.outcomes_topic);
+            bail!(
+                "no partitions of {} assigned within 15s",
+                config.kafka.outcomes_topic
+            );
         }
         let _ = tokio::time::timeout(Duration::from_millis(100), consumer.recv()).await;
     }

@@ -65,13 +65,24 @@ pub struct Metrics {
 
 fn counter(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
     let c = IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric");
-    registry.register(Box::new(c.clone())).expect("unique metric");
+    registry
+        .register(Box::new(c.clone()))
+        .expect("unique metric");
     c
 }
 
-fn histogram(registry: &Registry, name: &str, help: &str, labels: &[&str], buckets: Vec<f64>) -> HistogramVec {
-    let h = HistogramVec::new(HistogramOpts::new(name, help).buckets(buckets), labels).expect("valid metric");
-    registry.register(Box::new(h.clone())).expect("unique metric");
+fn histogram(
+    registry: &Registry,
+    name: &str,
+    help: &str,
+    labels: &[&str],
+    buckets: Vec<f64>,
+) -> HistogramVec {
+    let h = HistogramVec::new(HistogramOpts::new(name, help).buckets(buckets), labels)
+        .expect("valid metric");
+    registry
+        .register(Box::new(h.clone()))
+        .expect("unique metric");
     h
 }
 
@@ -96,51 +107,131 @@ impl Metrics {
             .buckets(vec![1.0, 2.0, 3.0, 5.0, 8.0, 13.0]),
         )
         .expect("valid metric");
-        r.register(Box::new(attempts_per_action.clone())).expect("unique metric");
-        let outbox_pending = IntGauge::new("idem_outbox_pending", "Outcome events recorded but not yet published.")
-            .expect("valid metric");
-        r.register(Box::new(outbox_pending.clone())).expect("unique metric");
+        r.register(Box::new(attempts_per_action.clone()))
+            .expect("unique metric");
+        let outbox_pending = IntGauge::new(
+            "idem_outbox_pending",
+            "Outcome events recorded but not yet published.",
+        )
+        .expect("valid metric");
+        r.register(Box::new(outbox_pending.clone()))
+            .expect("unique metric");
         let outbox_oldest_age = prometheus::Gauge::new(
             "idem_outbox_oldest_age_seconds",
             "Age of the oldest unpublished outcome event (0 when none).",
         )
         .expect("valid metric");
-        r.register(Box::new(outbox_oldest_age.clone())).expect("unique metric");
-        let inflight = IntGauge::new("idem_inflight", "Downstream calls in flight now.").expect("valid metric");
-        r.register(Box::new(inflight.clone())).expect("unique metric");
+        r.register(Box::new(outbox_oldest_age.clone()))
+            .expect("unique metric");
+        let inflight = IntGauge::new("idem_inflight", "Downstream calls in flight now.")
+            .expect("valid metric");
+        r.register(Box::new(inflight.clone()))
+            .expect("unique metric");
         let keys_parked = IntGaugeVec::new(
-            Opts::new("idem_keys_parked", "Keys waiting for a person: status unknown or pending_approval."),
+            Opts::new(
+                "idem_keys_parked",
+                "Keys waiting for a person: status unknown or pending_approval.",
+            ),
             &["status"],
         )
         .expect("valid metric");
-        r.register(Box::new(keys_parked.clone())).expect("unique metric");
+        r.register(Box::new(keys_parked.clone()))
+            .expect("unique metric");
         let consumer_lag = IntGaugeVec::new(
             Opts::new("idem_consumer_lag", "Messages of the actions topic not yet consumed, per partition (librdkafka statistics)."),
             &["partition"],
         )
         .expect("valid metric");
-        r.register(Box::new(consumer_lag.clone())).expect("unique metric");
+        r.register(Box::new(consumer_lag.clone()))
+            .expect("unique metric");
 
         Metrics {
-            actions: counter(&r, "idem_actions_total", "Outcomes recorded for actions, by terminal status.", &["tool", "status"]),
-            side_effects: counter(&r, "idem_side_effects_total", "Downstream calls that performed an effect, as far as known.", &["tool"]),
-            duplicates: counter(&r, "idem_duplicates_total", "Repeats suppressed, by the layer that caused them.", &["tool", "origin"]),
-            retries: counter(&r, "idem_retries_total", "Downstream calls retried by the executor, by reason.", &["tool", "reason"]),
+            actions: counter(
+                &r,
+                "idem_actions_total",
+                "Outcomes recorded for actions, by terminal status.",
+                &["tool", "status"],
+            ),
+            side_effects: counter(
+                &r,
+                "idem_side_effects_total",
+                "Downstream calls that performed an effect, as far as known.",
+                &["tool"],
+            ),
+            duplicates: counter(
+                &r,
+                "idem_duplicates_total",
+                "Repeats suppressed, by the layer that caused them.",
+                &["tool", "origin"],
+            ),
+            retries: counter(
+                &r,
+                "idem_retries_total",
+                "Downstream calls retried by the executor, by reason.",
+                &["tool", "reason"],
+            ),
             attempts_per_action,
-            unknown_outcomes: counter(&r, "idem_unknown_outcomes_total", "Actions whose effect could not be known after the call.", &["tool"]),
-            verifications: counter(&r, "idem_verifications_total", "Downstream verifications, by result.", &["tool", "result"]),
+            unknown_outcomes: counter(
+                &r,
+                "idem_unknown_outcomes_total",
+                "Actions whose effect could not be known after the call.",
+                &["tool"],
+            ),
+            verifications: counter(
+                &r,
+                "idem_verifications_total",
+                "Downstream verifications, by result.",
+                &["tool", "result"],
+            ),
             keys_parked,
-            conflicts: counter(&r, "idem_conflicts_total", "Same key with different material fields: rejected.", &["tool"]),
-            rejections: counter(&r, "idem_rejections_total", "Actions rejected, by error code.", &["tool", "code"]),
-            dead_letters: counter(&r, "idem_dead_letters_total", "Action messages sent to the dead-letter topic, by reason.", &["reason"]),
-            side_effect_duration: histogram(&r, "idem_side_effect_duration_seconds", "Duration of one downstream call.", &["tool"], SECONDS_BUCKETS.to_vec()),
-            action_latency: histogram(&r, "idem_action_latency_seconds", "From the action event's time (or its receipt) to its outcome recorded.", &["tool"], SECONDS_BUCKETS.to_vec()),
+            conflicts: counter(
+                &r,
+                "idem_conflicts_total",
+                "Same key with different material fields: rejected.",
+                &["tool"],
+            ),
+            rejections: counter(
+                &r,
+                "idem_rejections_total",
+                "Actions rejected, by error code.",
+                &["tool", "code"],
+            ),
+            dead_letters: counter(
+                &r,
+                "idem_dead_letters_total",
+                "Action messages sent to the dead-letter topic, by reason.",
+                &["reason"],
+            ),
+            side_effect_duration: histogram(
+                &r,
+                "idem_side_effect_duration_seconds",
+                "Duration of one downstream call.",
+                &["tool"],
+                SECONDS_BUCKETS.to_vec(),
+            ),
+            action_latency: histogram(
+                &r,
+                "idem_action_latency_seconds",
+                "From the action event's time (or its receipt) to its outcome recorded.",
+                &["tool"],
+                SECONDS_BUCKETS.to_vec(),
+            ),
             outbox_pending,
             outbox_oldest_age,
             consumer_lag,
             inflight,
-            messages_consumed: counter(&r, "idem_messages_consumed_total", "Action messages read from Kafka, by origin.", &["origin"]),
-            outcomes_published: counter(&r, "idem_outcomes_published_total", "Outcome events acknowledged by Kafka.", &["topic"]),
+            messages_consumed: counter(
+                &r,
+                "idem_messages_consumed_total",
+                "Action messages read from Kafka, by origin.",
+                &["origin"],
+            ),
+            outcomes_published: counter(
+                &r,
+                "idem_outcomes_published_total",
+                "Outcome events acknowledged by Kafka.",
+                &["topic"],
+            ),
             registry: r,
         }
     }
@@ -155,11 +246,15 @@ impl Metrics {
     }
 
     pub fn consumed(&self, origin: Origin) {
-        self.messages_consumed.with_label_values(&[origin.as_str()]).inc();
+        self.messages_consumed
+            .with_label_values(&[origin.as_str()])
+            .inc();
     }
 
     pub fn duplicate(&self, tool: &str, origin: Origin) {
-        self.duplicates.with_label_values(&[tool, origin.as_str()]).inc();
+        self.duplicates
+            .with_label_values(&[tool, origin.as_str()])
+            .inc();
     }
 
     pub fn outcome(&self, tool: &str, status: &str) {
@@ -203,11 +298,15 @@ impl Metrics {
     }
 
     pub fn side_effect_duration(&self, tool: &str, seconds: f64) {
-        self.side_effect_duration.with_label_values(&[tool]).observe(seconds);
+        self.side_effect_duration
+            .with_label_values(&[tool])
+            .observe(seconds);
     }
 
     pub fn action_latency(&self, tool: &str, seconds: f64) {
-        self.action_latency.with_label_values(&[tool]).observe(seconds);
+        self.action_latency
+            .with_label_values(&[tool])
+            .observe(seconds);
     }
 
     pub fn outbox(&self, pending: i64, oldest_age_seconds: f64) {
@@ -216,10 +315,14 @@ impl Metrics {
     }
 
     pub fn consumer_lag(&self, partition: i32, lag: i64) {
-        self.consumer_lag.with_label_values(&[&partition.to_string()]).set(lag);
+        self.consumer_lag
+            .with_label_values(&[&partition.to_string()])
+            .set(lag);
     }
 
     pub fn published(&self, topic: &str, n: u64) {
-        self.outcomes_published.with_label_values(&[topic]).inc_by(n);
+        self.outcomes_published
+            .with_label_values(&[topic])
+            .inc_by(n);
     }
 }

@@ -49,7 +49,12 @@ pub struct Publisher {
 impl Publisher {
     /// Publishes until `shutdown`, then once more until the outbox is empty or `final_grace`
     /// has passed.
-    pub async fn run(self, shutdown: CancellationToken, drained: CancellationToken, final_grace: Duration) {
+    pub async fn run(
+        self,
+        shutdown: CancellationToken,
+        drained: CancellationToken,
+        final_grace: Duration,
+    ) {
         let mut last_lag = Instant::now() - Duration::from_secs(10);
         loop {
             let full = match self.publish_once().await {
@@ -113,22 +118,41 @@ impl Publisher {
                 value: Some(STRUCTURED_CONTENT_TYPE),
             });
             if let Some(t) = &row.traceparent {
-                headers = headers.insert(Header { key: "traceparent", value: Some(t.as_str()) });
+                headers = headers.insert(Header {
+                    key: "traceparent",
+                    value: Some(t.as_str()),
+                });
             }
-            let record = FutureRecord::to(topic).key(&row.key).payload(&payload).headers(headers);
+            let record = FutureRecord::to(topic)
+                .key(&row.key)
+                .payload(&payload)
+                .headers(headers);
             // send_result only enqueues; the acknowledgements are awaited together below.
             match self.producer.send_result(record) {
                 Ok(delivery) => pending.push((row.event_id.clone(), delivery)),
                 Err((e, _)) => {
-                    return Err(PublishError::Kafka { event_id: row.event_id.clone(), source: e });
+                    return Err(PublishError::Kafka {
+                        event_id: row.event_id.clone(),
+                        source: e,
+                    });
                 }
             }
         }
-        let results = futures::future::join_all(pending.into_iter().map(|(id, f)| async move { (id, f.await) })).await;
+        let results = futures::future::join_all(
+            pending
+                .into_iter()
+                .map(|(id, f)| async move { (id, f.await) }),
+        )
+        .await;
         for (event_id, result) in results {
             match result {
                 Ok(Ok(_)) => {}
-                Ok(Err((e, _))) => return Err(PublishError::Kafka { event_id, source: e }),
+                Ok(Err((e, _))) => {
+                    return Err(PublishError::Kafka {
+                        event_id,
+                        source: e,
+                    })
+                }
                 Err(_) => {
                     return Err(PublishError::Kafka {
                         event_id,

@@ -12,11 +12,11 @@ use tokio_util::sync::CancellationToken;
 use crate::admin::{self, AdminState};
 use crate::config::{Config, Executor as ExecutorKind, ToolClass};
 use crate::consume::Consume;
+use crate::db;
 use crate::execute::Executor;
 use crate::kafka::{self, RelayContext};
 use crate::metrics::Metrics;
 use crate::publish::{self, Publisher};
-use crate::db;
 
 #[derive(Debug, thiserror::Error)]
 pub enum RelayError {
@@ -25,8 +25,13 @@ pub enum RelayError {
     #[error("kafka: {0}")]
     Kafka(#[from] rdkafka::error::KafkaError),
     #[error("admin listener on {addr}: {source}")]
-    Listen { addr: std::net::SocketAddr, source: std::io::Error },
-    #[error("the database schema is at version {found}, this relay needs {needed}: run `idem migrate`")]
+    Listen {
+        addr: std::net::SocketAddr,
+        source: std::io::Error,
+    },
+    #[error(
+        "the database schema is at version {found}, this relay needs {needed}: run `idem migrate`"
+    )]
     Schema { found: i32, needed: i32 },
 }
 
@@ -76,15 +81,28 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Handle
     )?);
     consumer.subscribe(&[&config.kafka.actions_topic])?;
     // Topics exist (or were checked) and the broker answered: ready for traffic.
-    consumer.fetch_metadata(Some(&config.kafka.actions_topic), std::time::Duration::from_secs(10))?;
+    consumer.fetch_metadata(
+        Some(&config.kafka.actions_topic),
+        std::time::Duration::from_secs(10),
+    )?;
     kafka_up.store(true, Ordering::Relaxed);
     let producer = kafka::producer(&config.kafka)?;
 
     let listener = TcpListener::bind(config.admin.listen)
         .await
-        .map_err(|source| RelayError::Listen { addr: config.admin.listen, source })?;
-    let admin_addr = listener.local_addr().map_err(|source| RelayError::Listen { addr: config.admin.listen, source })?;
-    let router = admin::router(AdminState { metrics: metrics.clone(), pool: pool.clone(), kafka_up });
+        .map_err(|source| RelayError::Listen {
+            addr: config.admin.listen,
+            source,
+        })?;
+    let admin_addr = listener.local_addr().map_err(|source| RelayError::Listen {
+        addr: config.admin.listen,
+        source,
+    })?;
+    let router = admin::router(AdminState {
+        metrics: metrics.clone(),
+        pool: pool.clone(),
+        kafka_up,
+    });
 
     let executor = Executor::new(&config, pool.clone(), metrics.clone());
     let wake = Arc::new(Notify::new());
@@ -112,14 +130,22 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Handle
             .with_graceful_shutdown(async move { admin_stop.cancelled().await })
             .await;
     });
-    let listen_task = tokio::spawn(publish::listen(config.clone(), wake, stop_background.clone()));
+    let listen_task = tokio::spawn(publish::listen(
+        config.clone(),
+        wake,
+        stop_background.clone(),
+    ));
     let publish_task = tokio::spawn(publisher.run(
         stop_background.clone(),
         publisher_drained.clone(),
         config.relay.shutdown_grace,
     ));
     let lease_task = tokio::spawn(executor.clone().keep_leases(stop_background.clone()));
-    let recovery_task = tokio::spawn(executor.clone().recover(config.relay.recovery_interval, stop_background.clone()));
+    let recovery_task = tokio::spawn(
+        executor
+            .clone()
+            .recover(config.relay.recovery_interval, stop_background.clone()),
+    );
     let consume_task = tokio::spawn(consume.run(shutdown.clone()));
 
     tracing::info!(
@@ -149,13 +175,20 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Handle
         let _ = admin_task.await;
         tracing::info!("relay stopped");
     });
-    Ok(Handle { admin_addr, metrics, done })
+    Ok(Handle {
+        admin_addr,
+        metrics,
+        done,
+    })
 }
 
 async fn check_schema(pool: &deadpool_postgres::Pool) -> Result<(), RelayError> {
     let client = pool.get().await.map_err(db::DbError::from)?;
     let found: i32 = match client
-        .query_one("select coalesce(max(version), 0) from idem_schema_versions", &[])
+        .query_one(
+            "select coalesce(max(version), 0) from idem_schema_versions",
+            &[],
+        )
         .await
     {
         Ok(row) => row.get(0),

@@ -134,7 +134,15 @@ struct DeliveryRows {
 
 impl DeliveryRows {
     #[allow(clippy::too_many_arguments)]
-    fn push(&mut self, intent_id: Option<i64>, key: &str, event_id: &str, pos: &Position, origin: Origin, answered: bool) {
+    fn push(
+        &mut self,
+        intent_id: Option<i64>,
+        key: &str,
+        event_id: &str,
+        pos: &Position,
+        origin: Origin,
+        answered: bool,
+    ) {
         self.intent_id.push(intent_id);
         self.key.push(key.to_string());
         self.event_id.push(event_id.to_string());
@@ -183,7 +191,11 @@ pub async fn record_batch(
     let mut seen_events = HashSet::new();
     for row in tx.query(SELECT_SEEN_EVENTS, &[&event_ids]).await? {
         let event: String = row.get(0);
-        seen_records.insert((row.get::<_, String>(1), row.get::<_, i32>(2), row.get::<_, i64>(3)));
+        seen_records.insert((
+            row.get::<_, String>(1),
+            row.get::<_, i32>(2),
+            row.get::<_, i64>(3),
+        ));
         seen_events.insert(event);
     }
 
@@ -205,18 +217,36 @@ pub async fn record_batch(
             continue;
         }
         match item {
-            Incoming::Rejected { pos, partial, code, message } => {
+            Incoming::Rejected {
+                pos,
+                partial,
+                code,
+                message,
+            } => {
                 let key = partial.as_ref().map_or("", |p| p.key.as_str());
                 let event_id = partial.as_ref().map_or("", |p| p.event_id.as_str());
                 deliveries.push(None, key, event_id, pos, Origin::DeadLetter, true);
                 if let Some(p) = partial {
                     if !seen_events.contains(&p.event_id) {
                         outbox.push(answer::rejected_input(
-                            &p.key, &p.run_id, p.tool.clone(), p.step, &p.event_id, code, message, None,
+                            &p.key,
+                            &p.run_id,
+                            p.tool.clone(),
+                            p.step,
+                            &p.event_id,
+                            code,
+                            message,
+                            None,
                         ));
                     }
                 }
-                result.origins.push((partial.as_ref().and_then(|p| p.tool.clone()).unwrap_or_default(), Origin::DeadLetter));
+                result.origins.push((
+                    partial
+                        .as_ref()
+                        .and_then(|p| p.tool.clone())
+                        .unwrap_or_default(),
+                    Origin::DeadLetter,
+                ));
                 seen_events.insert(event_id.to_string());
             }
             Incoming::Action(a) => {
@@ -250,37 +280,75 @@ pub async fn record_batch(
                 Incoming::Rejected { .. } => unreachable!("only actions are inserted"),
             })
             .collect();
-        let col = |f: &dyn Fn(&KeyedAction) -> String| acts.iter().map(|a| f(a)).collect::<Vec<String>>();
+        let col =
+            |f: &dyn Fn(&KeyedAction) -> String| acts.iter().map(|a| f(a)).collect::<Vec<String>>();
         let keys = col(&|a| a.key.clone());
         let tools = col(&|a| a.tool.clone());
         let classes = col(&|a| a.class.as_str().to_string());
         let runs = col(&|a| a.event.data.run_id.clone());
         let steps: Vec<Option<i64>> = acts.iter().map(|a| a.event.data.step).collect();
-        let business: Vec<Option<String>> = acts.iter().map(|a| a.event.data.business_id.clone()).collect();
-        let args: Vec<Value> = acts.iter().map(|a| Value::Object(a.event.data.args.clone())).collect();
-        let material: Vec<Value> = acts.iter().map(|a| Value::Object(a.material.clone())).collect();
+        let business: Vec<Option<String>> = acts
+            .iter()
+            .map(|a| a.event.data.business_id.clone())
+            .collect();
+        let args: Vec<Value> = acts
+            .iter()
+            .map(|a| Value::Object(a.event.data.args.clone()))
+            .collect();
+        let material: Vec<Value> = acts
+            .iter()
+            .map(|a| Value::Object(a.material.clone()))
+            .collect();
         let fps = col(&|a| a.fingerprint.clone());
         let hashes = col(&|a| a.args_hash.clone());
         let events = col(&|a| a.event.id.clone());
         let topics = col(&|a| a.pos.topic.clone());
         let partitions: Vec<i32> = acts.iter().map(|a| a.pos.partition).collect();
         let offsets: Vec<i64> = acts.iter().map(|a| a.pos.offset).collect();
-        let traces: Vec<Option<String>> = acts.iter().map(|a| a.event.traceparent.clone()).collect();
+        let traces: Vec<Option<String>> =
+            acts.iter().map(|a| a.event.traceparent.clone()).collect();
         let times: Vec<Option<DateTime<Utc>>> = acts
             .iter()
-            .map(|a| a.event.time.as_deref().and_then(|t| DateTime::parse_from_rfc3339(t).ok()).map(|t| t.with_timezone(&Utc)))
+            .map(|a| {
+                a.event
+                    .time
+                    .as_deref()
+                    .and_then(|t| DateTime::parse_from_rfc3339(t).ok())
+                    .map(|t| t.with_timezone(&Utc))
+            })
             .collect();
         let rows = tx
             .query(
                 INSERT_INTENTS,
-                &[&keys, &tools, &classes, &runs, &steps, &business, &args, &material, &fps, &hashes,
-                  &events, &topics, &partitions, &offsets, &traces, &times],
+                &[
+                    &keys,
+                    &tools,
+                    &classes,
+                    &runs,
+                    &steps,
+                    &business,
+                    &args,
+                    &material,
+                    &fps,
+                    &hashes,
+                    &events,
+                    &topics,
+                    &partitions,
+                    &offsets,
+                    &traces,
+                    &times,
+                ],
             )
             .await?;
         // Read-only rows never conflict, so map returned rows back by event id.
-        let by_event: HashMap<String, i64> = rows.iter().map(|r| (r.get::<_, String>(2), r.get::<_, i64>(0))).collect();
+        let by_event: HashMap<String, i64> = rows
+            .iter()
+            .map(|r| (r.get::<_, String>(2), r.get::<_, i64>(0)))
+            .collect();
         for i in to_insert {
-            let Incoming::Action(a) = &items[i] else { continue };
+            let Incoming::Action(a) = &items[i] else {
+                continue;
+            };
             match by_event.get(&a.event.id) {
                 Some(id) => {
                     created.insert(i, *id);
@@ -332,10 +400,19 @@ pub async fn record_batch(
             );
         }
         for (i, hint) in pending {
-            let Incoming::Action(a) = &items[i] else { continue };
+            let Incoming::Action(a) = &items[i] else {
+                continue;
+            };
             if a.class == ToolClass::ReadOnly {
                 // A producer retry of a read-only action: its first delivery is answered.
-                deliveries.push(None, &a.key, &a.event.id, &a.pos, Origin::ProducerRetry, true);
+                deliveries.push(
+                    None,
+                    &a.key,
+                    &a.event.id,
+                    &a.pos,
+                    Origin::ProducerRetry,
+                    true,
+                );
                 result.origins.push((a.tool.clone(), Origin::ProducerRetry));
                 continue;
             }
@@ -345,22 +422,57 @@ pub async fn record_batch(
                 continue;
             };
             if hint == Origin::ProducerRetry {
-                deliveries.push(Some(k.id), &a.key, &a.event.id, &a.pos, Origin::ProducerRetry, true);
+                deliveries.push(
+                    Some(k.id),
+                    &a.key,
+                    &a.event.id,
+                    &a.pos,
+                    Origin::ProducerRetry,
+                    true,
+                );
                 result.origins.push((a.tool.clone(), Origin::ProducerRetry));
                 continue;
             }
             if k.fingerprint != a.fingerprint {
                 let fields = key::differing_fields(&k.material, &a.material);
-                deliveries.push(Some(k.id), &a.key, &a.event.id, &a.pos, Origin::Conflict, true);
-                outbox.push(answer::conflict(&k.state, &a.event.id, a.event.data.step, fields, a.event.traceparent.clone()));
+                deliveries.push(
+                    Some(k.id),
+                    &a.key,
+                    &a.event.id,
+                    &a.pos,
+                    Origin::Conflict,
+                    true,
+                );
+                outbox.push(answer::conflict(
+                    &k.state,
+                    &a.event.id,
+                    a.event.data.step,
+                    fields,
+                    a.event.traceparent.clone(),
+                ));
                 result.origins.push((a.tool.clone(), Origin::Conflict));
                 continue;
             }
-            let origin = if k.args_hash == a.args_hash { Origin::Replay } else { Origin::ModelRetry };
+            let origin = if k.args_hash == a.args_hash {
+                Origin::Replay
+            } else {
+                Origin::ModelRetry
+            };
             if k.reportable {
-                outbox.push(answer::duplicate(&k.state, &a.event.id, a.event.traceparent.clone()));
+                outbox.push(answer::duplicate(
+                    &k.state,
+                    &a.event.id,
+                    a.event.traceparent.clone(),
+                ));
             }
-            deliveries.push(Some(k.id), &a.key, &a.event.id, &a.pos, origin, k.reportable);
+            deliveries.push(
+                Some(k.id),
+                &a.key,
+                &a.event.id,
+                &a.pos,
+                origin,
+                k.reportable,
+            );
             result.origins.push((a.tool.clone(), origin));
         }
     }
@@ -370,7 +482,16 @@ pub async fn record_batch(
         let d = &deliveries;
         tx.execute(
             INSERT_DELIVERIES,
-            &[&d.intent_id, &d.key, &d.event_id, &d.topic, &d.partition, &d.offset, &d.origin, &d.answered],
+            &[
+                &d.intent_id,
+                &d.key,
+                &d.event_id,
+                &d.topic,
+                &d.partition,
+                &d.offset,
+                &d.origin,
+                &d.answered,
+            ],
         )
         .await?;
     }
@@ -379,7 +500,11 @@ pub async fn record_batch(
     Ok(result)
 }
 
-async fn insert_outbox(tx: &Transaction<'_>, outcomes: &[Outcome], channel: &str) -> Result<usize, DbError> {
+async fn insert_outbox(
+    tx: &Transaction<'_>,
+    outcomes: &[Outcome],
+    channel: &str,
+) -> Result<usize, DbError> {
     if outcomes.is_empty() {
         return Ok(0);
     }
@@ -387,7 +512,9 @@ async fn insert_outbox(tx: &Transaction<'_>, outcomes: &[Outcome], channel: &str
     let keys: Vec<&str> = outcomes.iter().map(|o| o.key.as_str()).collect();
     let payloads: Vec<&Value> = outcomes.iter().map(|o| &o.payload).collect();
     let traces: Vec<Option<&str>> = outcomes.iter().map(|o| o.traceparent.as_deref()).collect();
-    let n = tx.execute(INSERT_OUTBOX, &[&ids, &keys, &payloads, &traces]).await?;
+    let n = tx
+        .execute(INSERT_OUTBOX, &[&ids, &keys, &payloads, &traces])
+        .await?;
     if n > 0 {
         tx.execute(NOTIFY, &[&channel]).await?;
     }
@@ -424,7 +551,12 @@ const CLAIM: &str = "
     returning id, idempotency_key, tool, run_id, step, business_id, args, action_event_id,
               traceparent, coalesce(event_time, created_at), attempts, lease_epoch";
 
-pub async fn claim(client: &impl GenericClient, id: i64, owner: &str, lease_secs: f64) -> Result<Option<Claimed>, DbError> {
+pub async fn claim(
+    client: &impl GenericClient,
+    id: i64,
+    owner: &str,
+    lease_secs: f64,
+) -> Result<Option<Claimed>, DbError> {
     let Some(row) = client.query_opt(CLAIM, &[&id, &owner, &lease_secs]).await? else {
         return Ok(None);
     };
@@ -453,8 +585,14 @@ const EXTEND_LEASES: &str = "
      where lease_owner = $1 and status = 'running'";
 
 /// Keeps this relay's claims alive while their calls run.
-pub async fn extend_leases(client: &impl GenericClient, owner: &str, lease_secs: f64) -> Result<u64, DbError> {
-    Ok(client.execute(EXTEND_LEASES, &[&owner, &lease_secs]).await?)
+pub async fn extend_leases(
+    client: &impl GenericClient,
+    owner: &str,
+    lease_secs: f64,
+) -> Result<u64, DbError> {
+    Ok(client
+        .execute(EXTEND_LEASES, &[&owner, &lease_secs])
+        .await?)
 }
 
 /// The settled state of a call.
@@ -499,12 +637,28 @@ impl From<tokio_postgres::Error> for FinishError {
 
 /// Records a call's result, its outcome event and the answers to every delivery waiting on
 /// the key, in the caller's transaction, fenced by the claim's epoch.
-pub async fn finish(tx: &Transaction<'_>, id: i64, epoch: i64, settled: &Settled, channel: &str) -> Result<KeyState, FinishError> {
-    let error = settled.error.as_ref().map(|e| serde_json::to_value(e).expect("error serializes"));
+pub async fn finish(
+    tx: &Transaction<'_>,
+    id: i64,
+    epoch: i64,
+    settled: &Settled,
+    channel: &str,
+) -> Result<KeyState, FinishError> {
+    let error = settled
+        .error
+        .as_ref()
+        .map(|e| serde_json::to_value(e).expect("error serializes"));
     let row = tx
         .query_opt(
             FINISH,
-            &[&id, &epoch, &settled.status.as_str(), &settled.result, &error, &settled.attempts],
+            &[
+                &id,
+                &epoch,
+                &settled.status.as_str(),
+                &settled.result,
+                &error,
+                &settled.attempts,
+            ],
         )
         .await?
         .ok_or(FinishError::Fenced(id))?;
@@ -565,7 +719,11 @@ pub struct Orphan {
 }
 
 /// Lists orphans (locking them for this transaction) without changing them.
-pub async fn orphans(tx: &Transaction<'_>, min_pending_age_secs: f64, limit: i64) -> Result<Vec<Orphan>, DbError> {
+pub async fn orphans(
+    tx: &Transaction<'_>,
+    min_pending_age_secs: f64,
+    limit: i64,
+) -> Result<Vec<Orphan>, DbError> {
     Ok(tx
         .query(SELECT_ORPHANS, &[&min_pending_age_secs, &limit])
         .await?

@@ -30,7 +30,9 @@ async fn happy_path_executes_once_and_answers() {
     let env = Env::new().await;
     let outcomes = env.outcomes().await;
     let relay = env.start(env.config(EMAIL, "").await).await;
-    env.producer().send(&action("evt-1", email("run_1", "order_1", "Your refund"))).await;
+    env.producer()
+        .send(&action("evt-1", email("run_1", "order_1", "Your refund")))
+        .await;
 
     let o = outcomes.answer("evt-1", "succeeded").await;
     assert_eq!(o["type"], "dev.idem.outcome.v1");
@@ -38,12 +40,27 @@ async fn happy_path_executes_once_and_answers() {
     assert_eq!(o["data"]["duplicate"], false);
     assert_eq!(o["data"]["attempts"], 1);
     assert_eq!(o["data"]["result"]["key"], "run_1:send_email:order_1");
-    assert!(o["data"]["note"].as_str().unwrap().starts_with("Done at"), "{o}");
+    assert!(
+        o["data"]["note"].as_str().unwrap().starts_with("Done at"),
+        "{o}"
+    );
     assert_eq!(env.downstream.effects("run_1:send_email:order_1"), 1);
     let m = common::metrics(relay.admin()).await;
-    assert_eq!(common::sample(&m, r#"idem_actions_total{status="succeeded",tool="send_email"}"#), 1.0, "{m}");
-    assert_eq!(common::sample(&m, r#"idem_side_effects_total{tool="send_email"}"#), 1.0);
-    let ready = reqwest::get(format!("http://{}/readyz", relay.admin())).await.unwrap();
+    assert_eq!(
+        common::sample(
+            &m,
+            r#"idem_actions_total{status="succeeded",tool="send_email"}"#
+        ),
+        1.0,
+        "{m}"
+    );
+    assert_eq!(
+        common::sample(&m, r#"idem_side_effects_total{tool="send_email"}"#),
+        1.0
+    );
+    let ready = reqwest::get(format!("http://{}/readyz", relay.admin()))
+        .await
+        .unwrap();
     assert_eq!(ready.status(), 200);
     relay.stop().await;
 }
@@ -58,19 +75,43 @@ async fn the_same_event_twice_and_a_replay_execute_once() {
     p.send(&first).await;
     outcomes.answer("evt-a", "succeeded").await;
     p.send(&first).await; // the producer retried: same event id, new record
-    p.send(&action("evt-b", email("run_2", "order_2", "Your refund"))).await; // orchestrator replay
+    p.send(&action("evt-b", email("run_2", "order_2", "Your refund")))
+        .await; // orchestrator replay
 
     let dup = outcomes.answer("evt-b", "succeeded").await;
     assert_eq!(dup["data"]["duplicate"], true);
-    assert_eq!(dup["data"]["result"]["id"], outcomes.answers("evt-a")[0]["data"]["result"]["id"]);
-    assert!(dup["data"]["note"].as_str().unwrap().contains("not repeated. Do not retry."), "{dup}");
-    common::eventually("the producer retry to be counted", Duration::from_secs(20), || async {
-        let m = common::metrics(relay.admin()).await;
-        common::sample(&m, r#"idem_duplicates_total{origin="producer_retry",tool="send_email"}"#) == 1.0
-            && common::sample(&m, r#"idem_duplicates_total{origin="replay",tool="send_email"}"#) == 1.0
-    })
+    assert_eq!(
+        dup["data"]["result"]["id"],
+        outcomes.answers("evt-a")[0]["data"]["result"]["id"]
+    );
+    assert!(
+        dup["data"]["note"]
+            .as_str()
+            .unwrap()
+            .contains("not repeated. Do not retry."),
+        "{dup}"
+    );
+    common::eventually(
+        "the producer retry to be counted",
+        Duration::from_secs(20),
+        || async {
+            let m = common::metrics(relay.admin()).await;
+            common::sample(
+                &m,
+                r#"idem_duplicates_total{origin="producer_retry",tool="send_email"}"#,
+            ) == 1.0
+                && common::sample(
+                    &m,
+                    r#"idem_duplicates_total{origin="replay",tool="send_email"}"#,
+                ) == 1.0
+        },
+    )
     .await;
-    assert_eq!(outcomes.answers("evt-a").len(), 1, "a producer retry is not answered again");
+    assert_eq!(
+        outcomes.answers("evt-a").len(),
+        1,
+        "a producer retry is not answered again"
+    );
     assert_eq!(env.downstream.total_effects(), 1);
     relay.stop().await;
 }
@@ -79,7 +120,12 @@ async fn the_same_event_twice_and_a_replay_execute_once() {
 async fn seed_trace_timeout_then_reworded_retry_sends_one_email() {
     let env = Env::new().await;
     let key = "run_3:send_email:order_8812";
-    env.downstream.script(Some(key), vec![idem::fake_downstream::Step::Named("effect_then_timeout".into())]);
+    env.downstream.script(
+        Some(key),
+        vec![idem::fake_downstream::Step::Named(
+            "effect_then_timeout".into(),
+        )],
+    );
     let outcomes = env.outcomes().await;
     let relay = env.start(env.config(EMAIL, "").await).await;
     let p = env.producer();
@@ -88,7 +134,13 @@ async fn seed_trace_timeout_then_reworded_retry_sends_one_email() {
     p.send(&action("evt-step4", step4)).await;
     let unknown = outcomes.answer("evt-step4", "unknown").await;
     assert_eq!(unknown["data"]["error"]["code"], "outcome_unknown");
-    assert!(unknown["data"]["note"].as_str().unwrap().contains("do not retry"), "{unknown}");
+    assert!(
+        unknown["data"]["note"]
+            .as_str()
+            .unwrap()
+            .contains("do not retry"),
+        "{unknown}"
+    );
 
     // The model rewords the subject and sends again at step 5 with the same business id.
     let mut step5 = email("run_3", "order_8812", "Following up on your refund");
@@ -96,10 +148,24 @@ async fn seed_trace_timeout_then_reworded_retry_sends_one_email() {
     p.send(&action("evt-step5", step5)).await;
     let dup = outcomes.answer("evt-step5", "unknown").await;
     assert_eq!(dup["data"]["duplicate"], true);
-    assert_eq!(env.downstream.effects(key), 1, "one email, however the model retried");
+    assert_eq!(
+        env.downstream.effects(key),
+        1,
+        "one email, however the model retried"
+    );
     let m = common::metrics(relay.admin()).await;
-    assert_eq!(common::sample(&m, r#"idem_duplicates_total{origin="model_retry",tool="send_email"}"#), 1.0, "{m}");
-    assert_eq!(common::sample(&m, r#"idem_unknown_outcomes_total{tool="send_email"}"#), 1.0);
+    assert_eq!(
+        common::sample(
+            &m,
+            r#"idem_duplicates_total{origin="model_retry",tool="send_email"}"#
+        ),
+        1.0,
+        "{m}"
+    );
+    assert_eq!(
+        common::sample(&m, r#"idem_unknown_outcomes_total{tool="send_email"}"#),
+        1.0
+    );
     relay.stop().await;
 }
 
@@ -109,7 +175,8 @@ async fn material_change_is_a_key_conflict() {
     let outcomes = env.outcomes().await;
     let relay = env.start(env.config(EMAIL, "").await).await;
     let p = env.producer();
-    p.send(&action("evt-c1", email("run_4", "order_4", "Hi"))).await;
+    p.send(&action("evt-c1", email("run_4", "order_4", "Hi")))
+        .await;
     outcomes.answer("evt-c1", "succeeded").await;
     let mut changed = email("run_4", "order_4", "Hi");
     changed["args"]["to"] = json!("someone-else");
@@ -134,25 +201,47 @@ async fn thousand_actions_thirty_percent_duplicates_six_partitions() {
     for i in 0..1000 {
         // 700 distinct keys; the other 300 repeat one of them (replays and rewordings).
         let k = if i < 700 { i } else { (i * 7) % 700 };
-        let subject = if i % 2 == 0 { "Your refund" } else { "About your refund" };
+        let subject = if i % 2 == 0 {
+            "Your refund"
+        } else {
+            "About your refund"
+        };
         let id = format!("evt-{i}");
         keys.insert(format!("run_{}:send_email:order_{k}", k % 13));
-        sends.push(action(&id, email(&format!("run_{}", k % 13), &format!("order_{k}"), subject)));
+        sends.push(action(
+            &id,
+            email(&format!("run_{}", k % 13), &format!("order_{k}"), subject),
+        ));
         ids.push(id);
     }
     for chunk in sends.chunks(100) {
         futures::future::join_all(chunk.iter().map(|e| p.send(e))).await;
     }
     outcomes
-        .wait_for("every action event answered", Duration::from_secs(120), |all| {
-            let answered: HashSet<&str> = all.iter().filter_map(|o| o["data"]["action_event_id"].as_str()).collect();
-            ids.iter().all(|id| answered.contains(id.as_str()))
-        })
+        .wait_for(
+            "every action event answered",
+            Duration::from_secs(120),
+            |all| {
+                let answered: HashSet<&str> = all
+                    .iter()
+                    .filter_map(|o| o["data"]["action_event_id"].as_str())
+                    .collect();
+                ids.iter().all(|id| answered.contains(id.as_str()))
+            },
+        )
         .await;
     assert_eq!(env.downstream.distinct_keys(), keys.len());
-    assert_eq!(env.downstream.total_effects(), keys.len() as u64, "repeated: {:?}", env.downstream.repeated_keys());
+    assert_eq!(
+        env.downstream.total_effects(),
+        keys.len() as u64,
+        "repeated: {:?}",
+        env.downstream.repeated_keys()
+    );
     let all = outcomes.json();
-    let duplicates = all.iter().filter(|o| o["data"]["duplicate"] == true).count();
+    let duplicates = all
+        .iter()
+        .filter(|o| o["data"]["duplicate"] == true)
+        .count();
     assert_eq!(duplicates, 300);
     assert!(all.iter().all(|o| o["data"]["status"] == "succeeded"));
     relay.stop().await;
@@ -163,33 +252,91 @@ async fn bad_input_goes_to_the_dead_letter_topic_with_its_reason() {
     let env = Env::new().await;
     let outcomes = env.outcomes().await;
     let dlq = env.dead_letters().await;
-    let relay = env.start(env.config(EMAIL, "").await.tap(|c| c.relay.max_message_bytes = 4096)).await;
+    let relay = env
+        .start(
+            env.config(EMAIL, "")
+                .await
+                .tap(|c| c.relay.max_message_bytes = 4096),
+        )
+        .await;
     let p = env.producer();
     let none = OwnedHeaders::new;
     p.send_raw(Some("k"), b"this is not json", none()).await;
-    p.send_raw(Some("k"), br#"{"hello": "world"}"#, none()).await;
-    p.send(&action("evt-bad-schema", json!({"run_id": "run_5", "tool": "send_email", "idempotency_key": "k-schema"}))).await;
-    p.send(&action("evt-unknown-tool", json!({"run_id": "run_5", "tool": "launch_rockets", "args": {}}))).await;
+    p.send_raw(Some("k"), br#"{"hello": "world"}"#, none())
+        .await;
+    p.send(&action(
+        "evt-bad-schema",
+        json!({"run_id": "run_5", "tool": "send_email", "idempotency_key": "k-schema"}),
+    ))
+    .await;
+    p.send(&action(
+        "evt-unknown-tool",
+        json!({"run_id": "run_5", "tool": "launch_rockets", "args": {}}),
+    ))
+    .await;
     p.send_raw(Some("k"), &vec![b' '; 5000], none()).await;
     p.send(&action("evt-email-key", json!({"run_id": "run_5", "tool": "send_email", "args": {}, "idempotency_key": "send:ada@example.com"}))).await;
     let binary = OwnedHeaders::new()
-        .insert(Header { key: "ce_specversion", value: Some("1.0") })
-        .insert(Header { key: "ce_id", value: Some("evt-binary-good") })
-        .insert(Header { key: "ce_source", value: Some("agent") })
-        .insert(Header { key: "ce_type", value: Some("dev.idem.action.v1") });
-    p.send_raw(Some("run_5"), &serde_json::to_vec(&email("run_5", "order_5", "Hi")).unwrap(), binary).await;
+        .insert(Header {
+            key: "ce_specversion",
+            value: Some("1.0"),
+        })
+        .insert(Header {
+            key: "ce_id",
+            value: Some("evt-binary-good"),
+        })
+        .insert(Header {
+            key: "ce_source",
+            value: Some("agent"),
+        })
+        .insert(Header {
+            key: "ce_type",
+            value: Some("dev.idem.action.v1"),
+        });
+    p.send_raw(
+        Some("run_5"),
+        &serde_json::to_vec(&email("run_5", "order_5", "Hi")).unwrap(),
+        binary,
+    )
+    .await;
 
     outcomes.answer("evt-binary-good", "succeeded").await;
-    dlq.wait_for("six dead letters", Duration::from_secs(30), |v| v.len() >= 6).await;
+    dlq.wait_for("six dead letters", Duration::from_secs(30), |v| {
+        v.len() >= 6
+    })
+    .await;
     // Keyed differently, they land on different partitions: compare as a set.
-    let mut reasons: Vec<String> = dlq.all().iter().map(|m| m.headers["idem-dlq-reason"].clone()).collect();
+    let mut reasons: Vec<String> = dlq
+        .all()
+        .iter()
+        .map(|m| m.headers["idem-dlq-reason"].clone())
+        .collect();
     reasons.sort();
-    assert_eq!(reasons, ["invalid_key", "not_cloudevent", "not_json", "oversize", "schema_invalid", "unknown_tool"]);
+    assert_eq!(
+        reasons,
+        [
+            "invalid_key",
+            "not_cloudevent",
+            "not_json",
+            "oversize",
+            "schema_invalid",
+            "unknown_tool"
+        ]
+    );
     let all = dlq.all();
-    let first = all.iter().find(|m| m.headers["idem-dlq-reason"] == "not_json").unwrap();
-    assert_eq!(first.payload, b"this is not json", "the original bytes are kept");
+    let first = all
+        .iter()
+        .find(|m| m.headers["idem-dlq-reason"] == "not_json")
+        .unwrap();
+    assert_eq!(
+        first.payload, b"this is not json",
+        "the original bytes are kept"
+    );
     assert_eq!(first.headers["idem-source-topic"], env.actions);
-    assert!(first.headers.contains_key("idem-source-offset") && first.headers.contains_key("idem-dlq-detail"));
+    assert!(
+        first.headers.contains_key("idem-source-offset")
+            && first.headers.contains_key("idem-dlq-detail")
+    );
     let r = outcomes.answer("evt-unknown-tool", "rejected").await;
     assert_eq!(r["data"]["error"]["code"], "unknown_tool");
     let r = outcomes.answer("evt-bad-schema", "rejected").await;
@@ -199,7 +346,11 @@ async fn bad_input_goes_to_the_dead_letter_topic_with_its_reason() {
     assert_eq!(r["data"]["error"]["code"], "invalid_key");
     assert_eq!(env.downstream.total_effects(), 1);
     let m = common::metrics(relay.admin()).await;
-    assert_eq!(common::sample(&m, r#"idem_dead_letters_total{reason="not_json"}"#), 1.0, "{m}");
+    assert_eq!(
+        common::sample(&m, r#"idem_dead_letters_total{reason="not_json"}"#),
+        1.0,
+        "{m}"
+    );
     relay.stop().await;
 }
 
@@ -236,12 +387,24 @@ executor = { kind = "http", url = "{downstream}/v1/fast_lookup", timeout = "10s"
     for i in 0..5 {
         p.send(&action(&format!("slow-{i}"), json!({"run_id": "r6", "tool": "slow_report", "business_id": format!("s{i}"), "args": {}}))).await;
     }
-    p.send(&action("fast-1", json!({"run_id": "r6", "tool": "fast_lookup", "business_id": "f1", "args": {}}))).await;
+    p.send(&action(
+        "fast-1",
+        json!({"run_id": "r6", "tool": "fast_lookup", "business_id": "f1", "args": {}}),
+    ))
+    .await;
     let all = outcomes
-        .wait_for("all six answered", Duration::from_secs(60), |v| v.len() >= 6)
+        .wait_for("all six answered", Duration::from_secs(60), |v| {
+            v.len() >= 6
+        })
         .await;
-    let order: Vec<&str> = all.iter().map(|o| o["data"]["action_event_id"].as_str().unwrap()).collect();
-    assert_eq!(order[0], "fast-1", "the fast tool was answered before any slow one: {order:?}");
+    let order: Vec<&str> = all
+        .iter()
+        .map(|o| o["data"]["action_event_id"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        order[0], "fast-1",
+        "the fast tool was answered before any slow one: {order:?}"
+    );
     relay.stop().await;
 }
 
@@ -286,7 +449,9 @@ async fn sql_executor_is_exactly_once_across_a_kill() {
         futures::future::join_all(chunk.iter().map(|e| p.send(e))).await;
     }
     // Kill it while it is working: once some, but not all, outcomes are out.
-    outcomes.wait_for("some outcomes", Duration::from_secs(60), |v| !v.is_empty()).await;
+    outcomes
+        .wait_for("some outcomes", Duration::from_secs(60), |v| !v.is_empty())
+        .await;
     child.kill().unwrap();
     child.wait().unwrap();
 
@@ -296,12 +461,18 @@ async fn sql_executor_is_exactly_once_across_a_kill() {
     }
     outcomes
         .wait_for("every event answered", Duration::from_secs(120), |all| {
-            let answered: HashSet<&str> = all.iter().filter_map(|o| o["data"]["action_event_id"].as_str()).collect();
+            let answered: HashSet<&str> = all
+                .iter()
+                .filter_map(|o| o["data"]["action_event_id"].as_str())
+                .collect();
             (0..400).all(|i| answered.contains(format!("l-{i}").as_str()))
         })
         .await;
     let rows: Vec<(String, i64)> = pg
-        .query("select idempotency_key, count(*) from ledger group by 1", &[])
+        .query(
+            "select idempotency_key, count(*) from ledger group by 1",
+            &[],
+        )
         .await
         .unwrap()
         .iter()
@@ -326,5 +497,8 @@ async fn sql_executor_is_exactly_once_across_a_kill() {
 }
 
 fn unsafe_sigterm(pid: u32) {
-    std::process::Command::new("kill").args(["-TERM", &pid.to_string()]).status().unwrap();
+    std::process::Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status()
+        .unwrap();
 }

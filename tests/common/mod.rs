@@ -21,11 +21,15 @@ pub fn brokers() -> String {
 }
 
 pub fn postgres_url() -> String {
-    std::env::var("IDEM_TEST_POSTGRES_URL").unwrap_or_else(|_| "postgres://idem:idem@127.0.0.1:5432/idem".into())
+    std::env::var("IDEM_TEST_POSTGRES_URL")
+        .unwrap_or_else(|_| "postgres://idem:idem@127.0.0.1:5432/idem".into())
 }
 
 pub fn unique(prefix: &str) -> String {
-    format!("{prefix}_{}", &uuid::Uuid::new_v4().simple().to_string()[..12])
+    format!(
+        "{prefix}_{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..12]
+    )
 }
 
 /// Everything one test's relay needs, isolated from other tests.
@@ -53,7 +57,11 @@ impl Env {
 
     pub async fn with_downstream(downstream: FakeDownstream) -> Env {
         let stop = CancellationToken::new();
-        let addr = downstream.clone().spawn("127.0.0.1:0".parse().unwrap(), stop.clone()).await.unwrap();
+        let addr = downstream
+            .clone()
+            .spawn("127.0.0.1:0".parse().unwrap(), stop.clone())
+            .await
+            .unwrap();
         let base = unique("t");
         Env {
             schema: base.clone(),
@@ -109,22 +117,31 @@ listen = "127.0.0.1:0"
     }
 
     pub async fn config(&self, tools: &str, relay: &str) -> Config {
-        let config = Config::from_toml(&self.config_text(tools, relay), |_| None).expect("test config is valid");
+        let config = Config::from_toml(&self.config_text(tools, relay), |_| None)
+            .expect("test config is valid");
         idem::db::migrate(&config.postgres).await.expect("migrate");
         config
     }
 
     pub async fn start(&self, config: Config) -> Relay {
         let shutdown = CancellationToken::new();
-        let handle = idem::relay::start(config, shutdown.clone()).await.expect("relay starts");
-        Relay { shutdown, handle: Some(handle) }
+        let handle = idem::relay::start(config, shutdown.clone())
+            .await
+            .expect("relay starts");
+        Relay {
+            shutdown,
+            handle: Some(handle),
+        }
     }
 
     /// A connection whose search path is this test's schema.
     pub async fn pg(&self) -> tokio_postgres::Client {
         let mut cfg: tokio_postgres::Config = postgres_url().parse().unwrap();
         cfg.options(format!("-c search_path={}", self.schema));
-        let (client, conn) = cfg.connect(tokio_postgres::NoTls).await.expect("postgres connects");
+        let (client, conn) = cfg
+            .connect(tokio_postgres::NoTls)
+            .await
+            .expect("postgres connects");
         tokio::spawn(conn);
         client
     }
@@ -136,7 +153,10 @@ listen = "127.0.0.1:0"
             .set("linger.ms", "1")
             .create()
             .unwrap();
-        Producer { inner: p, topic: self.actions.clone() }
+        Producer {
+            inner: p,
+            topic: self.actions.clone(),
+        }
     }
 
     /// Starts collecting every outcome event from the start of the outcomes topic.
@@ -162,7 +182,9 @@ impl Relay {
     pub async fn stop(mut self) {
         self.shutdown.cancel();
         if let Some(h) = self.handle.take() {
-            tokio::time::timeout(Duration::from_secs(60), h.wait()).await.expect("relay stops within 60s");
+            tokio::time::timeout(Duration::from_secs(60), h.wait())
+                .await
+                .expect("relay stops within 60s");
         }
     }
 }
@@ -185,17 +207,30 @@ pub fn action(id: &str, data: Value) -> Value {
 
 impl Producer {
     pub async fn send_raw(&self, key: Option<&str>, payload: &[u8], headers: OwnedHeaders) {
-        let mut record: FutureRecord<'_, str, [u8]> = FutureRecord::to(&self.topic).payload(payload).headers(headers);
+        let mut record: FutureRecord<'_, str, [u8]> = FutureRecord::to(&self.topic)
+            .payload(payload)
+            .headers(headers);
         if let Some(k) = key {
             record = record.key(k);
         }
-        self.inner.send(record, Duration::from_secs(30)).await.map_err(|(e, _)| e).expect("produce");
+        self.inner
+            .send(record, Duration::from_secs(30))
+            .await
+            .map_err(|(e, _)| e)
+            .expect("produce");
     }
 
     pub async fn send(&self, event: &Value) {
-        let key = event["data"]["idempotency_key"].as_str().or(event["data"]["run_id"].as_str()).map(str::to_string);
-        let headers = OwnedHeaders::new().insert(Header { key: "content-type", value: Some("application/cloudevents+json") });
-        self.send_raw(key.as_deref(), &serde_json::to_vec(event).unwrap(), headers).await;
+        let key = event["data"]["idempotency_key"]
+            .as_str()
+            .or(event["data"]["run_id"].as_str())
+            .map(str::to_string);
+        let headers = OwnedHeaders::new().insert(Header {
+            key: "content-type",
+            value: Some("application/cloudevents+json"),
+        });
+        self.send_raw(key.as_deref(), &serde_json::to_vec(event).unwrap(), headers)
+            .await;
     }
 }
 
@@ -267,11 +302,19 @@ impl Collector {
 
     /// Outcome events answering `action_event_id`.
     pub fn answers(&self, action_event_id: &str) -> Vec<Value> {
-        self.json().into_iter().filter(|v| v["data"]["action_event_id"] == action_event_id).collect()
+        self.json()
+            .into_iter()
+            .filter(|v| v["data"]["action_event_id"] == action_event_id)
+            .collect()
     }
 
     /// Waits until `done` holds for the collected messages, or fails naming `what`.
-    pub async fn wait_for(&self, what: &str, within: Duration, done: impl Fn(&[Value]) -> bool) -> Vec<Value> {
+    pub async fn wait_for(
+        &self,
+        what: &str,
+        within: Duration,
+        done: impl Fn(&[Value]) -> bool,
+    ) -> Vec<Value> {
         let deadline = tokio::time::Instant::now() + within;
         loop {
             let now = self.json();
@@ -279,7 +322,11 @@ impl Collector {
                 return now;
             }
             if tokio::time::Instant::now() > deadline {
-                panic!("timed out after {within:?} waiting for {what}; collected {} messages: {:#?}", now.len(), now.iter().rev().take(5).collect::<Vec<_>>());
+                panic!(
+                    "timed out after {within:?} waiting for {what}; collected {} messages: {:#?}",
+                    now.len(),
+                    now.iter().rev().take(5).collect::<Vec<_>>()
+                );
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
@@ -288,12 +335,21 @@ impl Collector {
     /// Waits for an answer to `action_event_id` with `status`.
     pub async fn answer(&self, action_event_id: &str, status: &str) -> Value {
         let all = self
-            .wait_for(&format!("a {status} answer to {action_event_id}"), Duration::from_secs(60), |v| {
-                v.iter().any(|o| o["data"]["action_event_id"] == action_event_id && o["data"]["status"] == status)
-            })
+            .wait_for(
+                &format!("a {status} answer to {action_event_id}"),
+                Duration::from_secs(60),
+                |v| {
+                    v.iter().any(|o| {
+                        o["data"]["action_event_id"] == action_event_id
+                            && o["data"]["status"] == status
+                    })
+                },
+            )
             .await;
         all.into_iter()
-            .find(|o| o["data"]["action_event_id"] == action_event_id && o["data"]["status"] == status)
+            .find(|o| {
+                o["data"]["action_event_id"] == action_event_id && o["data"]["status"] == status
+            })
             .unwrap()
     }
 }
@@ -314,7 +370,12 @@ where
 }
 
 pub async fn metrics(addr: std::net::SocketAddr) -> String {
-    reqwest::get(format!("http://{addr}/metrics")).await.unwrap().text().await.unwrap()
+    reqwest::get(format!("http://{addr}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
 }
 
 /// The value of one sample line in Prometheus text, 0 when absent.
