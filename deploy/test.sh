@@ -4,4 +4,4 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash deploy/local/services.sh up
-cargo test --locked --all-targets "$@"
+cargo test --locked --all-targets --features failpoints "$@"

@@ -5,11 +5,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::extract::State;
+use axum::extract::{Path, State};
 use axum::http::{header, StatusCode};
-use axum::response::IntoResponse;
+use axum::response::{IntoResponse, Response};
 use axum::routing::get;
-use axum::Router;
+use axum::{Json, Router};
 use deadpool_postgres::Pool;
 
 use crate::metrics::Metrics;
@@ -27,6 +27,7 @@ pub fn router(state: AdminState) -> Router {
         .route("/metrics", get(metrics))
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
+        .route("/v1/actions/{key}", get(explain))
         .with_state(state)
 }
 
@@ -38,6 +39,22 @@ async fn metrics(State(s): State<AdminState>) -> impl IntoResponse {
         )],
         s.metrics.render(),
     )
+}
+
+async fn explain(State(s): State<AdminState>, Path(key): Path<String>) -> Response {
+    match crate::inspect::explain(&s.pool, &key).await {
+        Ok(e) => Json(e).into_response(),
+        Err(e @ crate::inspect::InspectError::NotFound(_)) => (
+            StatusCode::NOT_FOUND,
+            Json(serde_json::json!({"error": e.to_string()})),
+        )
+            .into_response(),
+        Err(e) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(serde_json::json!({"error": e.to_string()})),
+        )
+            .into_response(),
+    }
 }
 
 async fn readyz(State(s): State<AdminState>) -> (StatusCode, String) {

@@ -159,6 +159,22 @@ struct RawTool {
     retry: Option<RawRetry>,
     #[serde(default)]
     concurrency: Option<usize>,
+    #[serde(default)]
+    verify: Option<RawVerify>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawVerify {
+    #[serde(default)]
+    method: Option<String>,
+    url: String,
+    #[serde(default)]
+    timeout: Option<String>,
+    #[serde(default)]
+    max_attempts: Option<u32>,
+    #[serde(default)]
+    backoff: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -345,6 +361,19 @@ pub struct Tool {
     pub retry: RetryPolicy,
     /// Calls of this tool in flight at once (defaults to the relay's concurrency).
     pub concurrency: usize,
+    /// How to look downstream whether an ambiguous call took effect.
+    pub verify: Option<Verify>,
+}
+
+/// `GET {url}` with the key: 200 → the effect happened (the body is its result), 404 → it did
+/// not, anything else → inconclusive, asked again with backoff up to `max_attempts` times.
+#[derive(Debug, Clone)]
+pub struct Verify {
+    pub method: reqwest::Method,
+    pub url: String,
+    pub timeout: Duration,
+    pub max_attempts: u32,
+    pub backoff: Duration,
 }
 
 #[derive(Debug, Clone)]
@@ -838,6 +867,55 @@ fn validate_tool(i: usize, t: RawTool, relay_concurrency: usize) -> Result<Tool,
         &at("concurrency"),
         t.concurrency.unwrap_or(relay_concurrency),
     )?;
+    let verify = match t.verify {
+        None => None,
+        Some(v) => {
+            if !matches!(executor, Executor::Http(_)) {
+                return Err(invalid(
+                    at("verify"),
+                    "only http tools are verified: a sql effect commits with its record",
+                ));
+            }
+            if !(v.url.starts_with("http://") || v.url.starts_with("https://")) {
+                return Err(invalid(
+                    at("verify.url"),
+                    format!("`{}` must start with http:// or https://", v.url),
+                ));
+            }
+            for placeholder in placeholders(&v.url) {
+                if placeholder != "key" {
+                    FieldPath::parse(&at("verify.url"), &placeholder)?;
+                }
+            }
+            let method_text = v
+                .method
+                .unwrap_or_else(|| "GET".into())
+                .to_ascii_uppercase();
+            let method = reqwest::Method::from_bytes(method_text.as_bytes()).map_err(|_| {
+                invalid(
+                    at("verify.method"),
+                    format!("`{method_text}` is not an HTTP method"),
+                )
+            })?;
+            let max_attempts = v.max_attempts.unwrap_or(5);
+            if max_attempts == 0 || max_attempts > 100 {
+                return Err(invalid(
+                    at("verify.max_attempts"),
+                    "must be between 1 and 100",
+                ));
+            }
+            Some(Verify {
+                method,
+                url: v.url,
+                timeout: duration(&at("verify.timeout"), v.timeout.as_deref().unwrap_or("5s"))?,
+                max_attempts,
+                backoff: duration(
+                    &at("verify.backoff"),
+                    v.backoff.as_deref().unwrap_or("200ms"),
+                )?,
+            })
+        }
+    };
 
     Ok(Tool {
         name: t.name,
@@ -847,6 +925,7 @@ fn validate_tool(i: usize, t: RawTool, relay_concurrency: usize) -> Result<Tool,
         executor,
         retry,
         concurrency,
+        verify,
     })
 }
 
@@ -996,6 +1075,10 @@ executor = { kind = "http", url = "http://127.0.0.1:8787/v1/send_email" }
             (
                 format!("{MINIMAL_TOOL}retry = {{ max_attempts = 0 }}\n"),
                 "tools[0].retry.max_attempts",
+            ),
+            (
+                format!("{MINIMAL_TOOL}verify = {{ url = \"ftp://x\" }}\n"),
+                "tools[0].verify.url",
             ),
         ];
         for (text, field) in cases {

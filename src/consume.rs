@@ -95,7 +95,7 @@ impl Consume {
                 }
             }
         };
-        fail::fail_point!("after-intent-commit");
+        crate::execute::crash_point!("after-intent-commit");
 
         // The intents are durable: now, and only now, may these offsets advance.
         let mut high: BTreeMap<(&str, i32), i64> = BTreeMap::new();

@@ -7,11 +7,18 @@ use tokio_postgres::NoTls;
 use crate::config::PostgresConfig;
 
 /// Migrations, applied in order; the number is the version recorded.
-const MIGRATIONS: &[(i32, &str, &str)] = &[(
-    1,
-    "0001_core",
-    include_str!("../schemas/postgres/0001_core.sql"),
-)];
+const MIGRATIONS: &[(i32, &str, &str)] = &[
+    (
+        1,
+        "0001_core",
+        include_str!("../schemas/postgres/0001_core.sql"),
+    ),
+    (
+        2,
+        "0002_attempts",
+        include_str!("../schemas/postgres/0002_attempts.sql"),
+    ),
+];
 
 #[derive(Debug, thiserror::Error)]
 pub enum DbError {

@@ -6,6 +6,18 @@
 //! claim is an atomic `pending → running` transition carrying a fencing epoch.
 
 use std::collections::{HashMap, HashSet};
+
+/// A named step boundary where crash tests kill the relay: with the `failpoints` feature and
+/// `FAILPOINTS=name=return`, the process aborts there, as abruptly as `kill -9`.
+macro_rules! crash_point {
+    ($name:literal) => {
+        fail::fail_point!($name, |_| {
+            tracing::error!(failpoint = $name, "failpoint: aborting");
+            std::process::abort()
+        })
+    };
+}
+pub(crate) use crash_point;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -19,10 +31,10 @@ use tokio_util::sync::CancellationToken;
 use crate::config::{Config, Executor as ExecutorKind, RetryPolicy, SqlParam, Tool, ToolClass};
 use crate::db::{self, DbError};
 use crate::event::{ActionData, OutcomeError, OutcomeStatus};
-use crate::http::{self, Attempt};
+use crate::http::{self, Attempt, Verified};
 use crate::key;
 use crate::metrics::Metrics;
-use crate::store::{self, Claimed, FinishError, Settled};
+use crate::store::{self, AttemptEnd, Claimed, FinishError, Guard, Settled};
 
 /// Intents that may wait for a permit at once; past this the consumer waits.
 const QUEUE_PER_PERMIT: usize = 4;
@@ -152,24 +164,30 @@ impl Executor {
             let settled = Settled {
                 status: OutcomeStatus::Rejected,
                 result: None,
-                error: Some(OutcomeError {
-                    code: "unknown_tool".into(),
-                    message: format!("tool {} is no longer configured", claimed.tool),
-                    retryable: false,
-                    fields: None,
-                }),
+                error: Some(error(
+                    "unknown_tool",
+                    format!("tool {} is no longer configured", claimed.tool),
+                    false,
+                )),
                 attempts: 0,
             };
-            return self.record(&claimed, &settled, None).await;
+            let end = AttemptEnd::new(
+                claimed.seq,
+                "failed",
+                None,
+                Some("tool not configured".into()),
+                Duration::ZERO,
+            );
+            return self.record(&claimed, settled, Some(end), None).await;
         };
         self.metrics.inflight.inc();
         let result = match &tool.executor {
-            ExecutorKind::Http(_) => {
-                let settled = self.call_http(&tool, &claimed).await;
-                self.record(&claimed, &settled, None).await
-            }
+            ExecutorKind::Http(_) => match self.call_http(&tool, &claimed).await {
+                Ok((settled, end)) => self.record(&claimed, settled, Some(end), None).await,
+                Err(e) => Err(e),
+            },
             ExecutorKind::Sql(_) => {
-                self.record(&claimed, &Settled::placeholder(), Some(&tool))
+                self.record(&claimed, Settled::placeholder(), None, Some(&tool))
                     .await
             }
         };
@@ -177,17 +195,135 @@ impl Executor {
         result
     }
 
-    /// Runs the http call with the tool's retry policy. Retries only when the effect
-    /// certainly did not happen, or when the tool is idempotent.
-    async fn call_http(&self, tool: &Tool, c: &Claimed) -> Settled {
+    /// Runs the http call with the tool's retry policy, logging every attempt. Retries only
+    /// when the effect certainly did not happen, or when the tool is idempotent; an ambiguous
+    /// result of a dangerous tool is verified downstream, or parked `unknown`.
+    async fn call_http(
+        &self,
+        tool: &Tool,
+        c: &Claimed,
+    ) -> Result<(Settled, AttemptEnd), ExecError> {
         let ExecutorKind::Http(exec) = &tool.executor else {
             unreachable!("http tool")
         };
         let data = action_data(c);
         let url = http::fill_url(&exec.url, &c.key, &data);
-        let mut attempts = 0;
+        let verify_url = tool
+            .verify
+            .as_ref()
+            .map(|v| http::fill_url(&v.url, &c.key, &data));
+        let mut seq = c.seq;
+        let mut verifying = c.needs_verify;
+        let mut calls = 0;
+        let mut verifications = 0;
+        let reason = c.reason.clone();
         loop {
-            attempts += 1;
+            if verifying {
+                let (v, url) = (tool.verify.as_ref(), verify_url.as_deref());
+                let (Some(v), Some(url)) = (v, url) else {
+                    let end = AttemptEnd::new(
+                        seq,
+                        "inconclusive",
+                        None,
+                        Some("no verify configured".into()),
+                        Duration::ZERO,
+                    );
+                    return Ok((
+                        self.unknown(tool, "no verify is configured for this tool", calls),
+                        end,
+                    ));
+                };
+                verifications += 1;
+                let (verified, status, took) = http::verify(&self.http, v, url, &c.key).await;
+                let status = status.map(i32::from);
+                match verified {
+                    Verified::Done(result) => {
+                        self.metrics.verification(&tool.name, "done");
+                        self.metrics.side_effect(&tool.name);
+                        let end = AttemptEnd::new(seq, "done", status, None, took);
+                        return Ok((
+                            Settled::new(OutcomeStatus::Succeeded, Some(result), None, calls),
+                            end,
+                        ));
+                    }
+                    Verified::NotDone => {
+                        self.metrics.verification(&tool.name, "not_done");
+                        self.end(c, AttemptEnd::new(seq, "not_done", status, None, took))
+                            .await?;
+                        if c.attempts + calls >= tool.retry.max_attempts as i32 {
+                            let end = AttemptEnd::new(seq, "not_done", status, None, took);
+                            return Ok((
+                                Settled::new(
+                                    OutcomeStatus::Failed,
+                                    None,
+                                    Some(error(
+                                        "downstream_unavailable",
+                                        format!(
+                                            "not done after {} attempts (verified)",
+                                            c.attempts + calls
+                                        ),
+                                        true,
+                                    )),
+                                    calls,
+                                ),
+                                end,
+                            ));
+                        }
+                        // Certainly not done: safe to call again.
+                        let why = if calls == 0 {
+                            reason.as_str()
+                        } else {
+                            "transport_retry"
+                        };
+                        seq = self.begin(c, "call", why).await?;
+                        verifying = false;
+                        self.metrics.retry(&tool.name, "verified_not_done");
+                        continue;
+                    }
+                    Verified::Inconclusive(detail) => {
+                        self.metrics.verification(&tool.name, "inconclusive");
+                        if verifications >= v.max_attempts {
+                            let end = AttemptEnd::new(
+                                seq,
+                                "inconclusive",
+                                status,
+                                Some(detail.clone()),
+                                took,
+                            );
+                            return Ok((self.unknown(tool, &format!("verification inconclusive after {verifications} tries: {detail}"), calls), end));
+                        }
+                        self.end(
+                            c,
+                            AttemptEnd::new(seq, "inconclusive", status, Some(detail), took),
+                        )
+                        .await?;
+                        tokio::time::sleep(backoff(
+                            &RetryPolicy {
+                                max_attempts: v.max_attempts,
+                                initial_backoff: v.backoff,
+                                max_backoff: v.backoff * 16,
+                            },
+                            verifications,
+                            None,
+                        ))
+                        .await;
+                        seq = self
+                            .begin(
+                                c,
+                                "verify",
+                                if calls == 0 {
+                                    reason.as_str()
+                                } else {
+                                    "transport_retry"
+                                },
+                            )
+                            .await?;
+                        continue;
+                    }
+                }
+            }
+
+            calls += 1;
             let (attempt, took) = http::call(
                 &self.http,
                 exec,
@@ -199,19 +335,24 @@ impl Executor {
             .await;
             self.metrics
                 .side_effect_duration(&tool.name, took.as_secs_f64());
-            let last = attempts >= tool.retry.max_attempts as i32;
+            let end = AttemptEnd::new(
+                seq,
+                attempt.classification(),
+                attempt.http_status().map(i32::from),
+                attempt.detail(),
+                took,
+            );
+            let spent = c.attempts + calls >= tool.retry.max_attempts as i32;
             let wait = match &attempt {
                 Attempt::Succeeded(result) => {
                     self.metrics.side_effect(&tool.name);
-                    return Settled::new(
-                        OutcomeStatus::Succeeded,
-                        Some(result.clone()),
-                        None,
-                        attempts,
-                    );
+                    return Ok((
+                        Settled::new(OutcomeStatus::Succeeded, Some(result.clone()), None, calls),
+                        end,
+                    ));
                 }
                 Attempt::Failed { status, body } => {
-                    return Settled::new(
+                    let settled = Settled::new(
                         OutcomeStatus::Failed,
                         Some(body.clone()),
                         Some(error(
@@ -219,93 +360,156 @@ impl Executor {
                             format!("the downstream answered {status}"),
                             false,
                         )),
-                        attempts,
+                        calls,
                     );
+                    return Ok((settled, end));
                 }
                 Attempt::Retry {
                     status,
                     retry_after,
                 } => {
-                    if last {
-                        return Settled::new(
-                            OutcomeStatus::Failed,
-                            None,
-                            Some(error(
-                                "downstream_unavailable",
-                                format!("the downstream answered {status} on each of {attempts} attempts"),
-                                true,
-                            )),
-                            attempts,
+                    if spent {
+                        let message = format!(
+                            "the downstream answered {status} on each of {} attempts",
+                            c.attempts + calls
                         );
+                        return Ok((
+                            Settled::new(
+                                OutcomeStatus::Failed,
+                                None,
+                                Some(error("downstream_unavailable", message, true)),
+                                calls,
+                            ),
+                            end,
+                        ));
                     }
-                    backoff(&tool.retry, attempts as u32, *retry_after)
+                    backoff(&tool.retry, calls as u32, *retry_after)
                 }
-                Attempt::NotSent(reason) => {
-                    if last {
-                        return Settled::new(
-                            OutcomeStatus::Failed,
-                            None,
-                            Some(error(
-                                "downstream_unreachable",
-                                format!("{reason} (after {attempts} attempts)"),
-                                true,
-                            )),
-                            attempts,
-                        );
+                Attempt::NotSent(why) => {
+                    if spent {
+                        let message = format!("{why} (after {} attempts)", c.attempts + calls);
+                        return Ok((
+                            Settled::new(
+                                OutcomeStatus::Failed,
+                                None,
+                                Some(error("downstream_unreachable", message, true)),
+                                calls,
+                            ),
+                            end,
+                        ));
                     }
-                    backoff(&tool.retry, attempts as u32, None)
+                    backoff(&tool.retry, calls as u32, None)
                 }
-                Attempt::Ambiguous(reason) => {
-                    if tool.class == ToolClass::Dangerous || last {
-                        // Never a blind retry of a dangerous write: the outcome stays unknown.
-                        self.metrics.unknown_outcome(&tool.name);
-                        return Settled::new(
-                            OutcomeStatus::Unknown,
-                            None,
-                            Some(error("outcome_unknown", reason.clone(), false)),
-                            attempts,
-                        );
+                Attempt::Ambiguous { reason: why, .. } => {
+                    if tool.class == ToolClass::Dangerous {
+                        // Never a blind retry of a dangerous write: look downstream first.
+                        if tool.verify.is_none() {
+                            return Ok((self.unknown(tool, why, calls), end));
+                        }
+                        self.end(c, end).await?;
+                        seq = self.begin(c, "verify", "transport_retry").await?;
+                        verifying = true;
+                        continue;
                     }
-                    backoff(&tool.retry, attempts as u32, None)
+                    if spent {
+                        return Ok((self.unknown(tool, why, calls), end));
+                    }
+                    backoff(&tool.retry, calls as u32, None)
                 }
             };
             self.metrics.retry(&tool.name, attempt.retry_reason());
             tracing::info!(
-                attempt = attempts,
+                attempt = calls,
                 wait_ms = wait.as_millis() as u64,
                 reason = attempt.retry_reason(),
                 "retrying"
             );
+            self.end(c, end).await?;
             tokio::time::sleep(wait).await;
+            seq = self.begin(c, "call", "transport_retry").await?;
         }
     }
 
-    /// Finishes the intent in one transaction: for the sql executor the statement runs in it
-    /// too, so the effect and its record commit together or not at all.
+    fn unknown(&self, tool: &Tool, why: &str, calls: i32) -> Settled {
+        self.metrics.unknown_outcome(&tool.name);
+        Settled::new(
+            OutcomeStatus::Unknown,
+            None,
+            Some(error("outcome_unknown", why.to_string(), false)),
+            calls,
+        )
+    }
+
+    async fn begin(&self, c: &Claimed, kind: &str, reason: &str) -> Result<i32, ExecError> {
+        let client = self.pool.get().await.map_err(DbError::from)?;
+        store::begin_attempt(&**client, c, kind, reason, &self.owner)
+            .await?
+            .ok_or(ExecError::Fenced)
+    }
+
+    async fn end(&self, c: &Claimed, end: AttemptEnd) -> Result<(), ExecError> {
+        let client = self.pool.get().await.map_err(DbError::from)?;
+        store::end_attempt(&**client, c.id, &end).await?;
+        Ok(())
+    }
+
+    /// Finishes the intent in one transaction with its last attempt's end: for the sql
+    /// executor the statement runs in it too, so the effect and its record commit together or
+    /// not at all.
     async fn record(
         &self,
         c: &Claimed,
-        settled: &Settled,
+        settled: Settled,
+        end: Option<AttemptEnd>,
         sql_tool: Option<&Tool>,
     ) -> Result<(), ExecError> {
         let mut client = self.pool.get().await.map_err(DbError::from)?;
         let tx = client.transaction().await.map_err(DbError::from)?;
-        let settled = match sql_tool {
-            None => settled.clone(),
-            Some(tool) => run_sql(&tx, tool, c).await?,
+        let (settled, end) = match sql_tool {
+            None => (settled, end),
+            Some(tool) => {
+                let started = Instant::now();
+                let settled = run_sql(&tx, tool, c).await?;
+                let class = if settled.status == OutcomeStatus::Succeeded {
+                    "succeeded"
+                } else {
+                    "failed"
+                };
+                let detail = settled.error.as_ref().map(|e| e.message.clone());
+                (
+                    settled,
+                    Some(AttemptEnd::new(
+                        c.seq,
+                        class,
+                        None,
+                        detail,
+                        started.elapsed(),
+                    )),
+                )
+            }
         };
-        fail::fail_point!("before-outcome-commit");
-        let state = match store::finish(&tx, c.id, c.epoch, &settled, &self.channel).await {
+        crash_point!("before-outcome-commit");
+        let state = match store::finish(
+            &tx,
+            c.id,
+            Guard::Claim(c.epoch),
+            &settled,
+            end.as_ref(),
+            &self.channel,
+        )
+        .await
+        {
             Ok(state) => state,
             Err(FinishError::Fenced(_)) => return Err(ExecError::Fenced),
             Err(FinishError::Db(e)) => return Err(ExecError::Db(e)),
         };
         tx.commit().await.map_err(DbError::from)?;
+        crash_point!("after-outcome-commit");
         if sql_tool.is_some() && settled.status == OutcomeStatus::Succeeded {
             self.metrics.side_effect(&state.tool);
         }
         self.metrics.outcome(&state.tool, settled.status.as_str());
-        self.metrics.attempts(settled.attempts.max(0) as u32);
+        self.metrics.attempts(state.attempts.max(0) as u32);
         if let Some(e) = &settled.error {
             if settled.status == OutcomeStatus::Rejected {
                 self.metrics.rejection(&state.tool, &e.code);
@@ -376,11 +580,16 @@ impl Executor {
             if self.local.lock().expect("not poisoned").contains(&o.id) {
                 continue;
             }
+            if o.was_running {
+                store::abandon_attempts(&tx, o.id).await?;
+            }
             let tool = self.tools.get(&o.tool);
             let dangerous_http = o.class == ToolClass::Dangerous.as_str()
                 && tool.is_none_or(|t| matches!(t.executor, ExecutorKind::Http(_)));
-            if o.was_running && dangerous_http {
-                // The call began and its end was never recorded: it may have happened.
+            let can_verify = tool.is_some_and(|t| t.verify.is_some());
+            if o.was_running && o.open_call && dangerous_http && !can_verify {
+                // The call began and its end was never recorded: it may have happened, and
+                // nothing can tell. Parked for a person.
                 let epoch = store::take_over(&tx, o.id, &self.owner).await?;
                 let settled = Settled::new(
                     OutcomeStatus::Unknown,
@@ -392,7 +601,16 @@ impl Executor {
                     )),
                     0,
                 );
-                match store::finish(&tx, o.id, epoch, &settled, &self.channel).await {
+                match store::finish(
+                    &tx,
+                    o.id,
+                    Guard::Claim(epoch),
+                    &settled,
+                    None,
+                    &self.channel,
+                )
+                .await
+                {
                     Ok(_) => {
                         self.metrics.unknown_outcome(&o.tool);
                         self.metrics.outcome(&o.tool, "unknown");
@@ -402,8 +620,9 @@ impl Executor {
                 }
             } else {
                 if o.was_running {
-                    // sql effects roll back with their transaction; other classes may repeat.
-                    store::release(&tx, o.id).await?;
+                    // A dangerous call that may have happened is verified before anything else;
+                    // sql effects rolled back with their transaction; other classes may repeat.
+                    store::release(&tx, o.id, o.open_call && dangerous_http).await?;
                 }
                 redispatch.push((o.id, o.tool.clone()));
             }
@@ -471,7 +690,25 @@ impl Settled {
     }
 }
 
-fn error(code: &str, message: String, retryable: bool) -> OutcomeError {
+impl AttemptEnd {
+    fn new(
+        seq: i32,
+        classification: &'static str,
+        http_status: Option<i32>,
+        error: Option<String>,
+        took: Duration,
+    ) -> Self {
+        AttemptEnd {
+            seq,
+            classification,
+            http_status,
+            error,
+            latency_ms: took.as_secs_f64() * 1000.0,
+        }
+    }
+}
+
+pub(crate) fn error(code: &str, message: String, retryable: bool) -> OutcomeError {
     OutcomeError {
         code: code.into(),
         message,

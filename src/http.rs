@@ -24,7 +24,10 @@ pub enum Attempt {
     /// The request never reached the downstream (connection refused, DNS, connect timeout).
     NotSent(String),
     /// The request was sent and the effect may have happened: timeout, reset, 5xx.
-    Ambiguous(String),
+    Ambiguous {
+        reason: String,
+        status: Option<u16>,
+    },
 }
 
 impl Attempt {
@@ -34,7 +37,7 @@ impl Attempt {
             Attempt::Retry { status: 429, .. } => "throttled",
             Attempt::Retry { .. } => "unavailable",
             Attempt::NotSent(_) => "not_sent",
-            Attempt::Ambiguous(_) => "ambiguous",
+            Attempt::Ambiguous { .. } => "ambiguous",
             _ => "none",
         }
     }
@@ -90,6 +93,34 @@ fn retry_after(headers: &reqwest::header::HeaderMap) -> Option<Duration> {
     v.trim().parse::<u64>().ok().map(Duration::from_secs)
 }
 
+impl Attempt {
+    /// The attempt log's classification.
+    pub fn classification(&self) -> &'static str {
+        match self {
+            Attempt::Succeeded(_) => "succeeded",
+            Attempt::Failed { .. } => "failed",
+            Attempt::Retry { .. } => "retry",
+            Attempt::NotSent(_) => "not_sent",
+            Attempt::Ambiguous { .. } => "ambiguous",
+        }
+    }
+
+    pub fn http_status(&self) -> Option<u16> {
+        match self {
+            Attempt::Failed { status, .. } | Attempt::Retry { status, .. } => Some(*status),
+            Attempt::Ambiguous { status, .. } => *status,
+            _ => None,
+        }
+    }
+
+    pub fn detail(&self) -> Option<String> {
+        match self {
+            Attempt::NotSent(r) | Attempt::Ambiguous { reason: r, .. } => Some(r.clone()),
+            _ => None,
+        }
+    }
+}
+
 /// One attempt. The key goes downstream as `Idempotency-Key`, the same on every attempt.
 pub async fn call(
     client: &reqwest::Client,
@@ -120,9 +151,10 @@ pub async fn call(
             match resp.bytes().await {
                 // The status line arrived but the body did not: for a success that is a reset
                 // mid-response, and the effect may well have happened.
-                Err(e) if class == StatusClass::Succeeded => Attempt::Ambiguous(format!(
-                    "status {status} but the response body was cut off: {e}"
-                )),
+                Err(e) if class == StatusClass::Succeeded => Attempt::Ambiguous {
+                    reason: format!("status {status} but the response body was cut off: {e}"),
+                    status: Some(status),
+                },
                 Err(_) => classify_status(class, status, after, &[]),
                 Ok(bytes) => classify_status(class, status, after, &bytes),
             }
@@ -147,7 +179,10 @@ fn classify_status(
             status,
             retry_after: after,
         },
-        StatusClass::Unknown => Attempt::Ambiguous(format!("downstream answered {status}")),
+        StatusClass::Unknown => Attempt::Ambiguous {
+            reason: format!("downstream answered {status}"),
+            status: Some(status),
+        },
     }
 }
 
@@ -159,10 +194,66 @@ fn classify_error(e: &reqwest::Error) -> Attempt {
     if e.is_builder() {
         return Attempt::NotSent(format!("request could not be built: {e}"));
     }
-    if e.is_timeout() {
-        return Attempt::Ambiguous("timed out after the request was sent".to_string());
+    let reason = if e.is_timeout() {
+        "timed out after the request was sent".to_string()
+    } else {
+        format!("connection failed after the request was sent: {e}")
+    };
+    Attempt::Ambiguous {
+        reason,
+        status: None,
     }
-    Attempt::Ambiguous(format!("connection failed after the request was sent: {e}"))
+}
+
+/// What a verification tells about the effect.
+#[derive(Debug)]
+pub enum Verified {
+    /// 200: it happened; the body is its result.
+    Done(Value),
+    /// 404: it did not happen.
+    NotDone,
+    /// Anything else: ask again later.
+    Inconclusive(String),
+}
+
+/// Asks the downstream whether the effect of `idem_key` happened.
+pub async fn verify(
+    client: &reqwest::Client,
+    v: &crate::config::Verify,
+    url: &str,
+    idem_key: &str,
+) -> (Verified, Option<u16>, Duration) {
+    let started = Instant::now();
+    let resp = client
+        .request(v.method.clone(), url)
+        .timeout(v.timeout)
+        .header("Idempotency-Key", idem_key)
+        .send()
+        .await;
+    let (verified, status) = match resp {
+        Err(e) => (
+            Verified::Inconclusive(format!("verify request failed: {e}")),
+            None,
+        ),
+        Ok(r) => {
+            let status = r.status().as_u16();
+            match status {
+                200 => match r.bytes().await {
+                    Ok(b) => (Verified::Done(body_value(status, &b)), Some(status)),
+                    Err(e) => (
+                        Verified::Inconclusive(format!("verify body cut off: {e}")),
+                        Some(status),
+                    ),
+                },
+                404 => (Verified::NotDone, Some(status)),
+                other => (
+                    Verified::Inconclusive(format!("verify answered {other}")),
+                    Some(status),
+                ),
+            }
+        }
+    };
+    (verified, status, started.elapsed())
 }
 
 #[cfg(test)]
@@ -199,7 +290,10 @@ mod tests {
         ));
         assert!(matches!(
             classify_status(StatusClass::Unknown, 500, None, b""),
-            Attempt::Ambiguous(_)
+            Attempt::Ambiguous {
+                status: Some(500),
+                ..
+            }
         ));
     }
 }

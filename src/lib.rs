@@ -22,7 +22,8 @@
 //!
 //! Around them: [`config`] (TOML → typed config), [`db`] (pool, migrations, SQLSTATEs),
 //! [`kafka`] (client settings, topics, lag), [`metrics`], [`admin`] (`/metrics`, `/readyz`),
-//! [`relay`] (wiring and shutdown) and [`fake_downstream`] (a downstream that counts effects).
+//! [`relay`] (wiring and shutdown), [`inspect`] (`explain` and `resolve` for people) and
+//! [`fake_downstream`] (a downstream that counts effects).
 
 pub mod admin;
 pub mod answer;
@@ -33,6 +34,7 @@ pub mod event;
 pub mod execute;
 pub mod fake_downstream;
 pub mod http;
+pub mod inspect;
 pub mod kafka;
 pub mod key;
 pub mod metrics;

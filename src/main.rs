@@ -28,6 +28,13 @@ struct Cli {
 }
 
 #[derive(Clone, Copy, ValueEnum)]
+enum ResolveAs {
+    Succeeded,
+    Failed,
+    Retry,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
 enum LogFormat {
     Text,
     Json,
@@ -70,6 +77,29 @@ enum Command {
         #[arg(long)]
         wait: Option<u64>,
     },
+    /// Everything about one key: deliveries (and why each came), attempts, decisions, outcomes.
+    Explain {
+        #[arg(long)]
+        config: PathBuf,
+        key: String,
+        /// Print JSON instead of tables.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Settle a key parked `unknown`, after checking downstream what really happened.
+    Resolve {
+        #[arg(long)]
+        config: PathBuf,
+        key: String,
+        #[arg(long = "as", value_enum)]
+        resolution: ResolveAs,
+        /// Who decided (recorded).
+        #[arg(long, env = "USER")]
+        by: String,
+        /// Why (recorded).
+        #[arg(long)]
+        reason: String,
+    },
     /// Run the fake downstream that counts side effects (the example tools point at it).
     FakeDownstream {
         #[arg(long, default_value = "127.0.0.1:8787")]
@@ -87,6 +117,9 @@ fn load(path: &std::path::Path) -> anyhow::Result<Config> {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
+    // Crash tests name failpoints in FAILPOINTS; compiled in only with the `failpoints` feature.
+    #[cfg(feature = "failpoints")]
+    let _failpoints = fail::FailScenario::setup();
     let filter = tracing_subscriber::EnvFilter::try_from_env("IDEM_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     let builder = tracing_subscriber::fmt()
@@ -194,6 +227,33 @@ async fn main() -> anyhow::Result<()> {
                     }
                 }
             }
+        }
+        Command::Explain { config, key, json } => {
+            let config = load(&config)?;
+            let pool = idem::db::pool(&config.postgres)?;
+            let e = idem::inspect::explain(&pool, &key).await?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&e)?);
+            } else {
+                print!("{}", idem::inspect::render(&e));
+            }
+        }
+        Command::Resolve {
+            config,
+            key,
+            resolution,
+            by,
+            reason,
+        } => {
+            let config = load(&config)?;
+            let pool = idem::db::pool(&config.postgres)?;
+            let how = match resolution {
+                ResolveAs::Succeeded => idem::inspect::Resolution::Succeeded,
+                ResolveAs::Failed => idem::inspect::Resolution::Failed,
+                ResolveAs::Retry => idem::inspect::Resolution::Retry,
+            };
+            idem::inspect::resolve(&pool, &config.postgres.schema, &key, how, &by, &reason).await?;
+            println!("{key}: resolved as {} by {by}", how.as_str());
         }
         Command::FakeDownstream { listen, honor_key } => {
             let shutdown = CancellationToken::new();

@@ -161,7 +161,7 @@ impl Publisher {
                 }
             }
         }
-        fail::fail_point!("after-publish-before-mark", |_| Ok(0));
+        crate::execute::crash_point!("after-publish-before-mark");
         let ids: Vec<i64> = rows.iter().map(|r| r.id).collect();
         store::mark_published(&tx, &ids).await?;
         tx.commit().await?;

@@ -105,8 +105,7 @@ const INSERT_DELIVERIES: &str = "
     insert into deliveries (intent_id, idempotency_key, action_event_id, source_topic,
                             source_partition, source_offset, origin, answered)
     select * from unnest($1::int8[], $2::text[], $3::text[], $4::text[], $5::int4[], $6::int8[],
-                         $7::text[], $8::bool[])
-    on conflict (source_topic, source_partition, source_offset) do nothing";
+                         $7::text[], $8::bool[])";
 
 const INSERT_OUTBOX: &str = "
     insert into outbox (event_id, kafka_key, payload, traceparent)
@@ -209,10 +208,16 @@ pub async fn record_batch(
     for (i, item) in items.iter().enumerate() {
         let pos = pos_of(item);
         if seen_records.contains(&(pos.topic.clone(), pos.partition, pos.offset)) {
-            let tool = match item {
-                Incoming::Action(a) => a.tool.clone(),
-                Incoming::Rejected { .. } => String::new(),
+            let (tool, key, event_id) = match item {
+                Incoming::Action(a) => (a.tool.clone(), a.key.as_str(), a.event.id.as_str()),
+                Incoming::Rejected { partial, .. } => (
+                    String::new(),
+                    partial.as_ref().map_or("", |p| p.key.as_str()),
+                    partial.as_ref().map_or("", |p| p.event_id.as_str()),
+                ),
             };
+            // Logged for explain; never executed or answered again.
+            deliveries.push(None, key, event_id, &pos, Origin::Redelivery, true);
             result.origins.push((tool, Origin::Redelivery));
             continue;
         }
@@ -537,19 +542,40 @@ pub struct Claimed {
     pub traceparent: Option<String>,
     /// Event time, or when the intent was recorded.
     pub started: DateTime<Utc>,
+    /// Downstream calls made before this claim.
     pub attempts: i32,
     /// The fencing token: writes are refused once another claim has been made.
     pub epoch: i64,
+    /// An earlier call may have happened: verify before calling.
+    pub needs_verify: bool,
+    /// Why this claim calls: `first`, `recovery` or `manual`.
+    pub reason: String,
+    /// The attempt row the claim opened (a call, or a verification when `needs_verify`).
+    pub seq: i32,
 }
 
+// The claim and the attempt row it opens commit together: there is never a call without a
+// durable record that it began.
 const CLAIM: &str = "
-    update intents
-       set status = 'running', lease_owner = $2,
-           lease_expires_at = now() + make_interval(secs => $3),
-           lease_epoch = lease_epoch + 1, updated_at = now()
-     where id = $1 and status = 'pending'
-    returning id, idempotency_key, tool, run_id, step, business_id, args, action_event_id,
-              traceparent, coalesce(event_time, created_at), attempts, lease_epoch";
+    with c as (
+        update intents
+           set status = 'running', lease_owner = $2,
+               lease_expires_at = now() + make_interval(secs => $3),
+               lease_epoch = lease_epoch + 1, updated_at = now()
+         where id = $1 and status = 'pending'
+        returning id, idempotency_key, tool, run_id, step, business_id, args, action_event_id,
+                  traceparent, coalesce(event_time, created_at) as started, attempts, lease_epoch,
+                  needs_verify, next_reason
+    ), a as (
+        insert into attempts (intent_id, idempotency_key, seq, kind, reason, owner, lease_epoch)
+        select c.id, c.idempotency_key,
+               coalesce((select max(seq) from attempts where intent_id = c.id), 0) + 1,
+               case when c.needs_verify then 'verify' else 'call' end,
+               c.next_reason, $2, c.lease_epoch
+          from c
+        returning seq
+    )
+    select c.*, a.seq from c, a";
 
 pub async fn claim(
     client: &impl GenericClient,
@@ -577,7 +603,69 @@ pub async fn claim(
         started: row.get(9),
         attempts: row.get(10),
         epoch: row.get(11),
+        needs_verify: row.get(12),
+        reason: row.get(13),
+        seq: row.get(14),
     }))
+}
+
+/// How an attempt ended, for the attempt log.
+#[derive(Debug, Clone)]
+pub struct AttemptEnd {
+    pub seq: i32,
+    pub classification: &'static str,
+    pub http_status: Option<i32>,
+    pub error: Option<String>,
+    pub latency_ms: f64,
+}
+
+// Fenced like every write of a claim: a relay that lost its lease cannot start another call.
+const BEGIN_ATTEMPT: &str = "
+    insert into attempts (intent_id, idempotency_key, seq, kind, reason, owner, lease_epoch)
+    select i.id, i.idempotency_key,
+           coalesce((select max(seq) from attempts where intent_id = i.id), 0) + 1, $3, $4, $5, $2
+      from intents i
+     where i.id = $1 and i.lease_epoch = $2 and i.status = 'running'
+    returning seq";
+
+const END_ATTEMPT: &str = "
+    update attempts set ended_at = now(), classification = $3, http_status = $4, error = $5,
+                        latency_ms = $6
+     where intent_id = $1 and seq = $2";
+
+/// Opens the next attempt row; `None` when the claim was lost.
+pub async fn begin_attempt(
+    client: &impl GenericClient,
+    c: &Claimed,
+    kind: &str,
+    reason: &str,
+    owner: &str,
+) -> Result<Option<i32>, DbError> {
+    Ok(client
+        .query_opt(BEGIN_ATTEMPT, &[&c.id, &c.epoch, &kind, &reason, &owner])
+        .await?
+        .map(|r| r.get(0)))
+}
+
+pub async fn end_attempt(
+    client: &impl GenericClient,
+    intent_id: i64,
+    end: &AttemptEnd,
+) -> Result<(), DbError> {
+    client
+        .execute(
+            END_ATTEMPT,
+            &[
+                &intent_id,
+                &end.seq,
+                &end.classification,
+                &end.http_status,
+                &end.error,
+                &end.latency_ms,
+            ],
+        )
+        .await?;
+    Ok(())
 }
 
 const EXTEND_LEASES: &str = "
@@ -609,10 +697,29 @@ const FINISH: &str = "
     update intents
        set status = $3, result = $4, error = $5, attempts = attempts + $6,
            status_seq = status_seq + 1, lease_owner = null, lease_expires_at = null,
-           updated_at = now(), finished_at = now()
+           needs_verify = false, next_reason = 'first', updated_at = now(), finished_at = now()
      where id = $1 and lease_epoch = $2 and status = 'running'
     returning idempotency_key, run_id, step, tool, action_event_id, attempts, status_seq,
               finished_at, traceparent";
+
+// A person's decision on a parked key: no claim to fence against, only the parked status.
+const FINISH_PARKED: &str = "
+    update intents
+       set status = $3, result = $4, error = $5, attempts = attempts + $6,
+           status_seq = status_seq + 1, lease_epoch = lease_epoch + 1,
+           needs_verify = false, next_reason = 'first', updated_at = now(), finished_at = now()
+     where id = $1 and status = 'unknown' and $2::int8 is not null
+    returning idempotency_key, run_id, step, tool, action_event_id, attempts, status_seq,
+              finished_at, traceparent";
+
+/// What a finish must hold to be written.
+#[derive(Debug, Clone, Copy)]
+pub enum Guard {
+    /// The claim with this epoch still owns the intent.
+    Claim(i64),
+    /// The intent is parked `unknown` (a person resolves it).
+    Parked,
+}
 
 const ANSWER_WAITING: &str = "
     update deliveries set answered = true
@@ -640,17 +747,22 @@ impl From<tokio_postgres::Error> for FinishError {
 pub async fn finish(
     tx: &Transaction<'_>,
     id: i64,
-    epoch: i64,
+    guard: Guard,
     settled: &Settled,
+    last_attempt: Option<&AttemptEnd>,
     channel: &str,
 ) -> Result<KeyState, FinishError> {
     let error = settled
         .error
         .as_ref()
         .map(|e| serde_json::to_value(e).expect("error serializes"));
+    let (query, epoch) = match guard {
+        Guard::Claim(epoch) => (FINISH, epoch),
+        Guard::Parked => (FINISH_PARKED, 0),
+    };
     let row = tx
         .query_opt(
-            FINISH,
+            query,
             &[
                 &id,
                 &epoch,
@@ -662,6 +774,9 @@ pub async fn finish(
         )
         .await?
         .ok_or(FinishError::Fenced(id))?;
+    if let Some(end) = last_attempt {
+        end_attempt(tx, id, end).await?;
+    }
     let state = KeyState {
         key: row.get(0),
         run_id: row.get(1),
@@ -692,16 +807,25 @@ pub async fn finish(
 /// Intents left behind: recorded but never claimed (a relay died before dispatching them), or
 /// claimed by a relay whose lease ran out.
 const SELECT_ORPHANS: &str = "
-    select id, status, class, tool, lease_epoch from intents
+    select id, status, class, tool, lease_epoch,
+           exists (select 1 from attempts a
+                    where a.intent_id = intents.id and a.kind = 'call' and a.ended_at is null)
+      from intents
      where (status = 'pending' and updated_at < now() - make_interval(secs => $1))
         or (status = 'running' and lease_expires_at < now())
      order by id
      limit $2
      for update skip locked";
 
+// A claim that ran out: its open attempts were abandoned mid-way.
+const ABANDON_ATTEMPTS: &str = "
+    update attempts set ended_at = now(), classification = 'abandoned'
+     where intent_id = $1 and ended_at is null";
+
 const RELEASE: &str = "
     update intents set status = 'pending', lease_owner = null, lease_expires_at = null,
-                       lease_epoch = lease_epoch + 1, updated_at = now()
+                       lease_epoch = lease_epoch + 1, updated_at = now(),
+                       next_reason = 'recovery', needs_verify = needs_verify or $2
      where id = $1";
 
 const TAKE_OVER: &str = "
@@ -712,10 +836,12 @@ const TAKE_OVER: &str = "
 #[derive(Debug)]
 pub struct Orphan {
     pub id: i64,
-    /// The claim ran out mid-call.
+    /// The claim ran out.
     pub was_running: bool,
     pub class: String,
     pub tool: String,
+    /// A call began and its end was never recorded: it may have happened.
+    pub open_call: bool,
 }
 
 /// Lists orphans (locking them for this transaction) without changing them.
@@ -733,13 +859,21 @@ pub async fn orphans(
             was_running: r.get::<_, String>(1) == "running",
             class: r.get(2),
             tool: r.get(3),
+            open_call: r.get(5),
         })
         .collect())
 }
 
-/// Makes an expired claim claimable again (the call certainly had no effect, or may be repeated).
-pub async fn release(tx: &Transaction<'_>, id: i64) -> Result<(), DbError> {
-    tx.execute(RELEASE, &[&id]).await?;
+/// Closes the attempts a dead claim left open.
+pub async fn abandon_attempts(tx: &Transaction<'_>, id: i64) -> Result<(), DbError> {
+    tx.execute(ABANDON_ATTEMPTS, &[&id]).await?;
+    Ok(())
+}
+
+/// Makes an expired claim claimable again; with `verify`, the next claim looks downstream
+/// before it calls.
+pub async fn release(tx: &Transaction<'_>, id: i64, verify: bool) -> Result<(), DbError> {
+    tx.execute(RELEASE, &[&id, &verify]).await?;
     Ok(())
 }
 

@@ -57,7 +57,8 @@ create table deliveries (
     answered          boolean     not null default false
 );
 
-create unique index deliveries_record on deliveries (source_topic, source_partition, source_offset);
+-- Not unique: a redelivered record is logged again, as a redelivery.
+create index deliveries_record on deliveries (source_topic, source_partition, source_offset);
 create index deliveries_event on deliveries (action_event_id);
 create index deliveries_waiting on deliveries (intent_id) where not answered;
 create index deliveries_key on deliveries (idempotency_key);

@@ -387,3 +387,97 @@ pub fn sample(metrics: &str, name_and_labels: &str) -> f64 {
         .and_then(|v| v.parse().ok())
         .unwrap_or(0.0)
 }
+
+/// The relay binary as a child process, so a test can kill -9, SIGSTOP and restart it.
+pub struct Child {
+    pub process: std::process::Child,
+    pub log: std::path::PathBuf,
+}
+
+impl Child {
+    /// Starts `idem relay` with `config`; `failpoints` as in `FAILPOINTS` (e.g. `name=return`).
+    pub fn spawn(
+        config: &std::path::Path,
+        failpoints: Option<&str>,
+        log: std::path::PathBuf,
+    ) -> Child {
+        let out = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log)
+            .unwrap();
+        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_idem"));
+        cmd.args(["relay", "--config", config.to_str().unwrap()])
+            .env("IDEM_LOG", "info")
+            .env_remove("FAILPOINTS")
+            .stdout(out.try_clone().unwrap())
+            .stderr(out);
+        if let Some(f) = failpoints {
+            cmd.env("FAILPOINTS", f);
+        }
+        Child {
+            process: cmd.spawn().expect("relay binary starts"),
+            log,
+        }
+    }
+
+    pub fn signal(&self, sig: &str) {
+        let ok = std::process::Command::new("kill")
+            .args([sig, &self.process.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(ok.success(), "kill {sig} failed");
+    }
+
+    pub fn kill9(&mut self) {
+        let _ = self.process.kill();
+        let _ = self.process.wait();
+    }
+
+    /// Waits for the process to exit by itself (a failpoint aborting it), with a deadline.
+    pub async fn exited(&mut self, within: Duration) -> std::process::ExitStatus {
+        let deadline = tokio::time::Instant::now() + within;
+        loop {
+            if let Some(status) = self.process.try_wait().unwrap() {
+                return status;
+            }
+            if tokio::time::Instant::now() > deadline {
+                panic!(
+                    "relay did not exit within {within:?}; log:\n{}",
+                    self.log_text()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+/// Writes this test's config to a file a child relay can read.
+pub async fn config_file(
+    env: &Env,
+    dir: &std::path::Path,
+    tools: &str,
+    relay: &str,
+) -> std::path::PathBuf {
+    env.config(tools, relay).await; // migrates the schema
+    let path = dir.join("idem.toml");
+    std::fs::write(&path, env.config_text(tools, relay)).unwrap();
+    path
+}
+
+/// `idem explain --json` for a key, through the library.
+pub async fn explain(env: &Env, key: &str) -> Value {
+    let config = Config::from_toml(&env.config_text("", ""), |_| None).unwrap();
+    let pool = idem::db::pool(&config.postgres).unwrap();
+    idem::inspect::explain(&pool, key).await.expect("explain")
+}

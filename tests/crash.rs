@@ -1,0 +1,455 @@
+//! Exactly once, proven by killing and faking things at the worst moments. Each test counts
+//! side effects at a fake downstream that does not dedupe; the target is exactly one.
+//!
+//! The relay runs as a child process built with the `failpoints` feature; `FAILPOINTS` makes it
+//! abort (as abruptly as kill -9) at a named step boundary.
+
+mod common;
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use common::{action, Child, Env};
+use idem::fake_downstream::Step;
+use serde_json::json;
+
+fn email_tool(verify: bool) -> String {
+    let verify = if verify {
+        r#"verify = { url = "{downstream}/v1/effects/{key}", max_attempts = 5, backoff = "50ms" }"#
+    } else {
+        ""
+    };
+    format!(
+        r#"
+[[tools]]
+name = "send_email"
+class = "dangerous"
+key = ["run_id", "tool", "business_id"]
+material = ["args.to"]
+executor = {{ kind = "http", url = "{{downstream}}/v1/send_email", timeout = "1s" }}
+retry = {{ max_attempts = 3, initial_backoff = "10ms", max_backoff = "50ms" }}
+{verify}
+"#
+    )
+}
+
+fn email(run: &str, business: &str) -> serde_json::Value {
+    json!({"run_id": run, "tool": "send_email", "business_id": business, "args": {"to": "customer-1", "subject": "Hello"}})
+}
+
+fn attempts_of(explained: &serde_json::Value) -> Vec<(String, String, String)> {
+    explained["calls"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| {
+            (
+                a["kind"].as_str().unwrap().to_string(),
+                a["reason"].as_str().unwrap().to_string(),
+                a["result"].as_str().unwrap_or("-").to_string(),
+            )
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn crash_after_the_effect_before_its_record_is_verified_not_repeated() {
+    let env = Env::new().await;
+    let dir = tempfile::tempdir().unwrap();
+    let config = common::config_file(&env, dir.path(), &email_tool(true), "").await;
+    let outcomes = env.outcomes().await;
+    let mut relay = Child::spawn(
+        &config,
+        Some("before-outcome-commit=return"),
+        dir.path().join("1.log"),
+    );
+    env.producer().send(&action("e1", email("r1", "b1"))).await;
+    relay.exited(Duration::from_secs(60)).await;
+    assert_eq!(
+        env.downstream.total_effects(),
+        1,
+        "the effect happened before the crash"
+    );
+
+    let _relay = Child::spawn(&config, None, dir.path().join("2.log"));
+    let o = outcomes.answer("e1", "succeeded").await;
+    assert_eq!(
+        o["data"]["result"]["id"], "eff_1",
+        "the result comes from the verification"
+    );
+    assert_eq!(env.downstream.total_effects(), 1, "verified, not re-sent");
+    let e = common::explain(&env, "r1:send_email:b1").await;
+    assert_eq!(
+        attempts_of(&e),
+        vec![
+            ("call".into(), "first".into(), "abandoned".into()),
+            ("verify".into(), "recovery".into(), "done".into())
+        ]
+    );
+}
+
+#[tokio::test]
+async fn crash_after_the_effect_without_verify_is_parked_unknown_then_resolved() {
+    let env = Env::new().await;
+    let dir = tempfile::tempdir().unwrap();
+    let config = common::config_file(&env, dir.path(), &email_tool(false), "").await;
+    let outcomes = env.outcomes().await;
+    let mut relay = Child::spawn(
+        &config,
+        Some("before-outcome-commit=return"),
+        dir.path().join("1.log"),
+    );
+    env.producer().send(&action("e1", email("r2", "b1"))).await;
+    relay.exited(Duration::from_secs(60)).await;
+
+    let _relay = Child::spawn(&config, None, dir.path().join("2.log"));
+    let o = outcomes.answer("e1", "unknown").await;
+    assert!(
+        o["data"]["note"].as_str().unwrap().contains("do not retry"),
+        "{o}"
+    );
+    // A repeat while parked is answered, not executed.
+    env.producer().send(&action("e2", email("r2", "b1"))).await;
+    outcomes.answer("e2", "unknown").await;
+    assert_eq!(env.downstream.total_effects(), 1, "never twice");
+
+    // A person checks downstream and settles it.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args([
+            "resolve",
+            "--config",
+            config.to_str().unwrap(),
+            "r2:send_email:b1",
+            "--as",
+            "succeeded",
+            "--by",
+            "ops@oncall",
+            "--reason",
+            "seen in the provider's log",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let done = outcomes.answer("e1", "succeeded").await;
+    assert_eq!(done["data"]["result"]["resolved_by"], "ops@oncall");
+    let e = common::explain(&env, "r2:send_email:b1").await;
+    assert_eq!(e["resolutions"][0]["by"], "ops@oncall");
+    assert_eq!(env.downstream.total_effects(), 1);
+}
+
+#[tokio::test]
+async fn lost_reply_and_fake_error_are_verified_not_resent() {
+    let env = Env::new().await;
+    env.downstream.script(
+        Some("r3:send_email:lost"),
+        vec![Step::Named("effect_then_timeout".into())],
+    );
+    env.downstream.script(
+        Some("r3:send_email:err"),
+        vec![Step::Named("effect_then_500".into())],
+    );
+    env.downstream.script(
+        Some("r3:send_email:no"),
+        vec![Step::Named("fail_500".into())],
+    );
+    let outcomes = env.outcomes().await;
+    let relay = env.start(env.config(&email_tool(true), "").await).await;
+    let p = env.producer();
+    p.send(&action("lost", email("r3", "lost"))).await;
+    p.send(&action("err", email("r3", "err"))).await;
+    p.send(&action("no", email("r3", "no"))).await;
+    for id in ["lost", "err", "no"] {
+        outcomes.answer(id, "succeeded").await;
+    }
+    assert_eq!(env.downstream.effects("r3:send_email:lost"), 1);
+    assert_eq!(env.downstream.effects("r3:send_email:err"), 1);
+    // 500 with no effect: verify says not done, so it is safely sent again, once.
+    assert_eq!(env.downstream.effects("r3:send_email:no"), 1);
+    let e = common::explain(&env, "r3:send_email:no").await;
+    assert_eq!(
+        attempts_of(&e),
+        vec![
+            ("call".into(), "first".into(), "ambiguous".into()),
+            ("verify".into(), "transport_retry".into(), "not_done".into()),
+            ("call".into(), "transport_retry".into(), "succeeded".into())
+        ]
+    );
+    let m = common::metrics(relay.admin()).await;
+    assert_eq!(
+        common::sample(
+            &m,
+            r#"idem_verifications_total{result="done",tool="send_email"}"#
+        ),
+        2.0,
+        "{m}"
+    );
+    relay.stop().await;
+}
+
+#[tokio::test]
+async fn replaying_a_finished_run_executes_nothing() {
+    let env = Env::new().await;
+    let outcomes = env.outcomes().await;
+    let relay = env.start(env.config(&email_tool(true), "").await).await;
+    let p = env.producer();
+    for i in 0..10 {
+        p.send(&action(&format!("run-{i}"), email("r4", &format!("b{i}"))))
+            .await;
+    }
+    outcomes
+        .wait_for("the run finished", Duration::from_secs(60), |v| {
+            v.len() >= 10
+        })
+        .await;
+    // The run resumes from its first checkpoint: every event again, with new event ids.
+    for i in 0..10 {
+        p.send(&action(
+            &format!("resume-{i}"),
+            email("r4", &format!("b{i}")),
+        ))
+        .await;
+    }
+    for i in 0..10 {
+        let o = outcomes.answer(&format!("resume-{i}"), "succeeded").await;
+        assert_eq!(o["data"]["duplicate"], true);
+    }
+    assert_eq!(env.downstream.total_effects(), 10);
+    relay.stop().await;
+}
+
+#[tokio::test]
+async fn redelivery_after_a_crash_before_the_offset_commit_executes_once() {
+    let env = Env::new().await;
+    let dir = tempfile::tempdir().unwrap();
+    let config = common::config_file(&env, dir.path(), &email_tool(true), "").await;
+    let outcomes = env.outcomes().await;
+    let mut relay = Child::spawn(
+        &config,
+        Some("after-intent-commit=return"),
+        dir.path().join("1.log"),
+    );
+    env.producer().send(&action("e1", email("r5", "b1"))).await;
+    relay.exited(Duration::from_secs(60)).await;
+    assert_eq!(
+        env.downstream.total_effects(),
+        0,
+        "it died before executing"
+    );
+
+    let _relay = Child::spawn(&config, None, dir.path().join("2.log"));
+    outcomes.answer("e1", "succeeded").await;
+    common::eventually(
+        "the re-read record logged as a redelivery",
+        Duration::from_secs(30),
+        || async {
+            let e = common::explain(&env, "r5:send_email:b1").await;
+            let origins: Vec<String> = e["deliveries"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|d| d["origin"].as_str().unwrap().to_string())
+                .collect();
+            origins == ["first", "redelivery"]
+        },
+    )
+    .await;
+    // The redelivery was recorded before anything could dispatch it, and it is never dispatched.
+    assert_eq!(env.downstream.total_effects(), 1);
+    assert_eq!(outcomes.answers("e1").len(), 1);
+}
+
+#[tokio::test]
+async fn one_intent_published_eighteen_times_runs_once() {
+    let env = Env::new().await;
+    let outcomes = env.outcomes().await;
+    let relay = env.start(env.config(&email_tool(true), "").await).await;
+    let p = env.producer();
+    let mut ids = Vec::new();
+    // 3 client retries × 3 orchestrator retries × 2 model rewordings.
+    for model in 0..2 {
+        for orchestrator in 0..3 {
+            let id = format!("m{model}-o{orchestrator}");
+            let mut data = email("r6", "refund-1");
+            data["args"]["subject"] = json!(if model == 0 {
+                "Your refund"
+            } else {
+                "About your refund"
+            });
+            for _client in 0..3 {
+                p.send(&action(&id, data.clone())).await;
+            }
+            ids.push(id);
+        }
+    }
+    for id in &ids {
+        outcomes.answer(id, "succeeded").await;
+    }
+    assert_eq!(env.downstream.total_effects(), 1);
+    let all = outcomes.json();
+    assert_eq!(all.len(), 6, "one answer per distinct event id: {all:#?}");
+    assert_eq!(
+        all.iter()
+            .filter(|o| o["data"]["duplicate"] == true)
+            .count(),
+        5
+    );
+    common::eventually(
+        "17 repeats counted by origin",
+        Duration::from_secs(20),
+        || async {
+            let m = common::metrics(relay.admin()).await;
+            let by = |o: &str| {
+                common::sample(
+                    &m,
+                    &format!(r#"idem_duplicates_total{{origin="{o}",tool="send_email"}}"#),
+                )
+            };
+            by("producer_retry") == 12.0 && by("replay") + by("model_retry") == 5.0
+        },
+    )
+    .await;
+    relay.stop().await;
+}
+
+#[tokio::test]
+async fn crash_after_the_outcome_commit_or_before_marking_publishes_the_same_id() {
+    for failpoint in ["after-outcome-commit", "after-publish-before-mark"] {
+        let env = Env::new().await;
+        let dir = tempfile::tempdir().unwrap();
+        let config = common::config_file(&env, dir.path(), &email_tool(true), "").await;
+        let outcomes = env.outcomes().await;
+        let mut relay = Child::spawn(
+            &config,
+            Some(&format!("{failpoint}=return")),
+            dir.path().join("1.log"),
+        );
+        env.producer().send(&action("e1", email("r7", "b1"))).await;
+        relay.exited(Duration::from_secs(60)).await;
+        let _relay = Child::spawn(&config, None, dir.path().join("2.log"));
+        outcomes.answer("e1", "succeeded").await;
+        let ids: HashSet<String> = outcomes
+            .answers("e1")
+            .iter()
+            .map(|o| o["id"].as_str().unwrap().to_string())
+            .collect();
+        assert_eq!(
+            ids.len(),
+            1,
+            "{failpoint}: a republished outcome keeps its id"
+        );
+        assert_eq!(env.downstream.total_effects(), 1, "{failpoint}");
+    }
+}
+
+#[tokio::test]
+async fn two_relays_one_killed_repeatedly_lose_nothing_and_repeat_nothing() {
+    let env = Env::new().await;
+    let dir = tempfile::tempdir().unwrap();
+    let config = common::config_file(&env, dir.path(), &email_tool(true), "").await;
+    let outcomes = env.outcomes().await;
+    let _steady = Child::spawn(&config, None, dir.path().join("steady.log"));
+    let mut flaky = Child::spawn(&config, None, dir.path().join("flaky.log"));
+    let p = env.producer();
+    let events: Vec<_> = (0..2000)
+        .map(|i| {
+            action(
+                &format!("e{i}"),
+                email(&format!("r{}", i % 17), &format!("b{i}")),
+            )
+        })
+        .collect();
+    let send = async {
+        for chunk in events.chunks(100) {
+            futures::future::join_all(chunk.iter().map(|e| p.send(e))).await;
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    };
+    let chaos = async {
+        for round in 0..4 {
+            tokio::time::sleep(Duration::from_millis(1500)).await;
+            flaky.kill9();
+            flaky = Child::spawn(&config, None, dir.path().join(format!("flaky{round}.log")));
+        }
+    };
+    tokio::join!(send, chaos);
+    outcomes
+        .wait_for("every action answered", Duration::from_secs(180), |all| {
+            let answered: HashSet<&str> = all
+                .iter()
+                .filter_map(|o| o["data"]["action_event_id"].as_str())
+                .collect();
+            (0..2000).all(|i| answered.contains(format!("e{i}").as_str()))
+        })
+        .await;
+    assert_eq!(
+        env.downstream.total_effects(),
+        2000,
+        "repeated: {:?}",
+        env.downstream.repeated_keys()
+    );
+    let pg = env.pg().await;
+    let open: i64 = pg
+        .query_one(
+            "select count(*) from intents where status not in ('succeeded')",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(open, 0, "every key terminal and succeeded");
+}
+
+#[tokio::test]
+async fn a_relay_paused_past_its_lease_cannot_record_over_the_new_owner() {
+    let env = Env::new().await;
+    let dir = tempfile::tempdir().unwrap();
+    let tools = email_tool(true).replace("timeout = \"1s\"", "timeout = \"30s\"");
+    let config = common::config_file(&env, dir.path(), &tools, "").await;
+    // The call takes 3s: long enough to pause its relay in the middle of it.
+    env.downstream.script(
+        Some("r8:send_email:b1"),
+        vec![Step::Delay { delay_ms: 3000 }],
+    );
+    let outcomes = env.outcomes().await;
+    let paused = Child::spawn(&config, None, dir.path().join("paused.log"));
+    env.producer().send(&action("e1", email("r8", "b1"))).await;
+    common::eventually(
+        "the call to reach the downstream",
+        Duration::from_secs(30),
+        || async { env.downstream.requests() == 1 },
+    )
+    .await;
+    paused.signal("-STOP");
+    // Another relay takes over the expired lease, verifies the effect and records it.
+    let _other = Child::spawn(&config, None, dir.path().join("other.log"));
+    outcomes.answer("e1", "succeeded").await;
+    paused.signal("-CONT");
+    common::eventually(
+        "the paused relay to notice it lost the lease",
+        Duration::from_secs(30),
+        || async { paused.log_text().contains("lease lost") },
+    )
+    .await;
+    let statuses: Vec<_> = outcomes
+        .answers("e1")
+        .iter()
+        .map(|o| o["id"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(
+        statuses.len(),
+        1,
+        "one status change recorded, the late write refused: {statuses:?}"
+    );
+    assert_eq!(env.downstream.total_effects(), 1);
+    let e = common::explain(&env, "r8:send_email:b1").await;
+    assert!(
+        attempts_of(&e)
+            .iter()
+            .any(|(k, _, r)| k == "verify" && r == "done"),
+        "{e:#}"
+    );
+}
