@@ -417,8 +417,8 @@ material = ["args.amount"]
 executor = { kind = "sql", statement = "insert into ledger (idempotency_key, amount) values ($1, $2::numeric) returning id, amount::text as amount", params = ["key", "args.amount"] }
 "#;
 
-/// The sql executor's effect commits with its outcome: killing the relay (SIGKILL) mid-stream
-/// and replaying every event after the restart leaves exactly one ledger row per key.
+/// The sql executor's effect commits with its outcome: aborting the relay between a statement
+/// and its commit, then replaying every event after the restart, leaves one ledger row per key.
 #[tokio::test]
 async fn sql_executor_is_exactly_once_across_a_kill() {
     let env = Env::new().await;
@@ -432,30 +432,44 @@ async fn sql_executor_is_exactly_once_across_a_kill() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("idem.toml");
     std::fs::write(&path, config_text).unwrap();
-    let spawn = || {
-        std::process::Command::new(env!("CARGO_BIN_EXE_idem"))
-            .args(["relay", "--config", path.to_str().unwrap()])
-            .env("IDEM_LOG", "warn")
-            .spawn()
-            .expect("relay binary starts")
-    };
     let outcomes = env.outcomes().await;
     let p = env.producer();
     let events: Vec<_> = (0..400)
         .map(|i| action(&format!("l-{i}"), json!({"run_id": "r7", "tool": "ledger_credit", "business_id": format!("b{}", i % 250), "args": {"amount": 10 + i % 250}})))
         .collect();
-    let mut child = spawn();
+    // The 21st outcome transaction dies after its statement ran and before it commits: the
+    // worst moment for a ledger.
+    let mut child = common::Child::spawn(
+        &path,
+        Some("before-outcome-commit=20*off->return"),
+        dir.path().join("1.log"),
+    );
     for chunk in events.chunks(50) {
         futures::future::join_all(chunk.iter().map(|e| p.send(e))).await;
     }
-    // Kill it while it is working: once some, but not all, outcomes are out.
-    outcomes
-        .wait_for("some outcomes", Duration::from_secs(60), |v| !v.is_empty())
-        .await;
-    child.kill().unwrap();
-    child.wait().unwrap();
+    child.exited(Duration::from_secs(60)).await;
+    // Statements that ran in transactions that never committed left nothing: every ledger row
+    // has its recorded outcome and every recorded success its row.
+    let written: i64 = pg
+        .query_one("select count(*) from ledger", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let recorded: i64 = pg
+        .query_one(
+            "select count(*) from intents where status = 'succeeded'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(written, recorded);
+    assert!(
+        written <= 20,
+        "{written} rows: the 21st and later rolled back"
+    );
 
-    let mut child = spawn();
+    let child = common::Child::spawn(&path, None, dir.path().join("2.log"));
     for chunk in events.chunks(50) {
         futures::future::join_all(chunk.iter().map(|e| p.send(e))).await;
     }
@@ -491,14 +505,8 @@ async fn sql_executor_is_exactly_once_across_a_kill() {
     assert_eq!(statuses, HashMap::from([("succeeded".to_string(), 250)]));
 
     // SIGTERM: a graceful stop exits 0.
-    unsafe_sigterm(child.id());
-    let status = child.wait().unwrap();
+    let mut child = child;
+    child.signal("-TERM");
+    let status = child.exited(Duration::from_secs(60)).await;
     assert!(status.success(), "relay exited with {status:?} on SIGTERM");
-}
-
-fn unsafe_sigterm(pid: u32) {
-    std::process::Command::new("kill")
-        .args(["-TERM", &pid.to_string()])
-        .status()
-        .unwrap();
 }
