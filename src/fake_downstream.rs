@@ -51,6 +51,8 @@ struct Inner {
     first_result: HashMap<String, Value>,
     script_any: VecDeque<Step>,
     script_by_key: HashMap<String, VecDeque<Step>>,
+    /// The `traceparent` header of the last request per key.
+    traceparents: HashMap<String, String>,
 }
 
 #[derive(Clone, Default)]
@@ -127,6 +129,16 @@ impl FakeDownstream {
             .collect();
         v.sort();
         v
+    }
+
+    /// The `traceparent` the last request for `key` carried.
+    pub fn traceparent(&self, key: &str) -> Option<String> {
+        self.inner
+            .lock()
+            .expect("not poisoned")
+            .traceparents
+            .get(key)
+            .cloned()
     }
 
     pub fn distinct_keys(&self) -> usize {
@@ -211,6 +223,13 @@ async fn effect(
         .and_then(|v| v.to_str().ok())
         .unwrap_or("")
         .to_string();
+    if let Some(t) = headers.get("traceparent").and_then(|v| v.to_str().ok()) {
+        d.inner
+            .lock()
+            .expect("not poisoned")
+            .traceparents
+            .insert(key.clone(), t.to_string());
+    }
     if let Some(ms) = q.delay_ms {
         tokio::time::sleep(Duration::from_millis(ms)).await;
     }

@@ -42,6 +42,7 @@ impl Origin {
 
 pub struct Metrics {
     registry: Registry,
+    names: Vec<String>,
     actions: IntCounterVec,
     side_effects: IntCounterVec,
     duplicates: IntCounterVec,
@@ -63,27 +64,46 @@ pub struct Metrics {
     outcomes_published: IntCounterVec,
 }
 
-fn counter(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
-    let c = IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric");
-    registry
-        .register(Box::new(c.clone()))
-        .expect("unique metric");
-    c
+/// Registers collectors and remembers their names, so the dashboard and alert rules can be
+/// checked against what is really exported.
+struct Registrar {
+    registry: Registry,
+    names: Vec<String>,
 }
 
-fn histogram(
-    registry: &Registry,
-    name: &str,
-    help: &str,
-    labels: &[&str],
-    buckets: Vec<f64>,
-) -> HistogramVec {
-    let h = HistogramVec::new(HistogramOpts::new(name, help).buckets(buckets), labels)
-        .expect("valid metric");
-    registry
-        .register(Box::new(h.clone()))
-        .expect("unique metric");
-    h
+impl Registrar {
+    fn add<C: prometheus::core::Collector + Clone + 'static>(&mut self, name: &str, c: C) -> C {
+        self.registry
+            .register(Box::new(c.clone()))
+            .expect("unique metric");
+        self.names.push(name.to_string());
+        c
+    }
+
+    fn counter(&mut self, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
+        self.add(
+            name,
+            IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric"),
+        )
+    }
+
+    fn gauge_vec(&mut self, name: &str, help: &str, labels: &[&str]) -> IntGaugeVec {
+        self.add(
+            name,
+            IntGaugeVec::new(Opts::new(name, help), labels).expect("valid metric"),
+        )
+    }
+
+    fn histogram(
+        &mut self,
+        name: &str,
+        help: &str,
+        labels: &[&str],
+        buckets: &[f64],
+    ) -> HistogramVec {
+        let opts = HistogramOpts::new(name, help).buckets(buckets.to_vec());
+        self.add(name, HistogramVec::new(opts, labels).expect("valid metric"))
+    }
 }
 
 const SECONDS_BUCKETS: [f64; 14] = [
@@ -98,142 +118,70 @@ impl Default for Metrics {
 
 impl Metrics {
     pub fn new() -> Self {
-        let r = Registry::new();
-        let attempts_per_action = Histogram::with_opts(
-            HistogramOpts::new(
-                "idem_attempts_per_action",
-                "Downstream attempts it took to settle one action.",
+        let mut r = Registrar {
+            registry: Registry::new(),
+            names: Vec::new(),
+        };
+        let attempts_per_action = r.add(
+            "idem_attempts_per_action",
+            Histogram::with_opts(
+                HistogramOpts::new(
+                    "idem_attempts_per_action",
+                    "Downstream calls it took to settle one key.",
+                )
+                .buckets(vec![1.0, 2.0, 3.0, 5.0, 8.0, 13.0]),
             )
-            .buckets(vec![1.0, 2.0, 3.0, 5.0, 8.0, 13.0]),
-        )
-        .expect("valid metric");
-        r.register(Box::new(attempts_per_action.clone()))
-            .expect("unique metric");
-        let outbox_pending = IntGauge::new(
+            .expect("valid metric"),
+        );
+        let outbox_pending = r.add(
             "idem_outbox_pending",
-            "Outcome events recorded but not yet published.",
-        )
-        .expect("valid metric");
-        r.register(Box::new(outbox_pending.clone()))
-            .expect("unique metric");
-        let outbox_oldest_age = prometheus::Gauge::new(
+            IntGauge::new(
+                "idem_outbox_pending",
+                "Outcome events recorded but not yet published.",
+            )
+            .expect("valid metric"),
+        );
+        let outbox_oldest_age = r.add(
             "idem_outbox_oldest_age_seconds",
-            "Age of the oldest unpublished outcome event (0 when none).",
-        )
-        .expect("valid metric");
-        r.register(Box::new(outbox_oldest_age.clone()))
-            .expect("unique metric");
-        let inflight = IntGauge::new("idem_inflight", "Downstream calls in flight now.")
-            .expect("valid metric");
-        r.register(Box::new(inflight.clone()))
-            .expect("unique metric");
-        let keys_parked = IntGaugeVec::new(
-            Opts::new(
-                "idem_keys_parked",
-                "Keys waiting for a person: status unknown or pending_approval.",
-            ),
-            &["status"],
-        )
-        .expect("valid metric");
-        r.register(Box::new(keys_parked.clone()))
-            .expect("unique metric");
-        let consumer_lag = IntGaugeVec::new(
-            Opts::new("idem_consumer_lag", "Messages of the actions topic not yet consumed, per partition (librdkafka statistics)."),
-            &["partition"],
-        )
-        .expect("valid metric");
-        r.register(Box::new(consumer_lag.clone()))
-            .expect("unique metric");
-
+            prometheus::Gauge::new(
+                "idem_outbox_oldest_age_seconds",
+                "Age of the oldest unpublished outcome event (0 when none).",
+            )
+            .expect("valid metric"),
+        );
+        let inflight = r.add(
+            "idem_inflight",
+            IntGauge::new("idem_inflight", "Downstream calls in flight now.")
+                .expect("valid metric"),
+        );
         Metrics {
-            actions: counter(
-                &r,
-                "idem_actions_total",
-                "Outcomes recorded for actions, by terminal status.",
-                &["tool", "status"],
-            ),
-            side_effects: counter(
-                &r,
-                "idem_side_effects_total",
-                "Downstream calls that performed an effect, as far as known.",
-                &["tool"],
-            ),
-            duplicates: counter(
-                &r,
-                "idem_duplicates_total",
-                "Repeats suppressed, by the layer that caused them.",
-                &["tool", "origin"],
-            ),
-            retries: counter(
-                &r,
-                "idem_retries_total",
-                "Downstream calls retried by the executor, by reason.",
-                &["tool", "reason"],
-            ),
+            actions: r.counter("idem_actions_total", "Outcomes recorded for actions, by status.", &["tool", "status"]),
+            side_effects: r.counter("idem_side_effects_total", "Downstream calls that performed an effect, as far as known.", &["tool"]),
+            duplicates: r.counter("idem_duplicates_total", "Repeats suppressed, by the layer that caused them.", &["tool", "origin"]),
+            retries: r.counter("idem_retries_total", "Downstream calls retried by the executor, by reason.", &["tool", "reason"]),
             attempts_per_action,
-            unknown_outcomes: counter(
-                &r,
-                "idem_unknown_outcomes_total",
-                "Actions whose effect could not be known after the call.",
-                &["tool"],
-            ),
-            verifications: counter(
-                &r,
-                "idem_verifications_total",
-                "Downstream verifications, by result.",
-                &["tool", "result"],
-            ),
-            keys_parked,
-            conflicts: counter(
-                &r,
-                "idem_conflicts_total",
-                "Same key with different material fields: rejected.",
-                &["tool"],
-            ),
-            rejections: counter(
-                &r,
-                "idem_rejections_total",
-                "Actions rejected, by error code.",
-                &["tool", "code"],
-            ),
-            dead_letters: counter(
-                &r,
-                "idem_dead_letters_total",
-                "Action messages sent to the dead-letter topic, by reason.",
-                &["reason"],
-            ),
-            side_effect_duration: histogram(
-                &r,
-                "idem_side_effect_duration_seconds",
-                "Duration of one downstream call.",
-                &["tool"],
-                SECONDS_BUCKETS.to_vec(),
-            ),
-            action_latency: histogram(
-                &r,
-                "idem_action_latency_seconds",
-                "From the action event's time (or its receipt) to its outcome recorded.",
-                &["tool"],
-                SECONDS_BUCKETS.to_vec(),
-            ),
+            unknown_outcomes: r.counter("idem_unknown_outcomes_total", "Actions whose effect could not be known after the call.", &["tool"]),
+            verifications: r.counter("idem_verifications_total", "Downstream verifications, by result.", &["tool", "result"]),
+            keys_parked: r.gauge_vec("idem_keys_parked", "Keys waiting for a person: status unknown or pending_approval.", &["status"]),
+            conflicts: r.counter("idem_conflicts_total", "Same key with different material fields: rejected.", &["tool"]),
+            rejections: r.counter("idem_rejections_total", "Actions rejected, by error code.", &["tool", "code"]),
+            dead_letters: r.counter("idem_dead_letters_total", "Action messages sent to the dead-letter topic, by reason.", &["reason"]),
+            side_effect_duration: r.histogram("idem_side_effect_duration_seconds", "Duration of one downstream call.", &["tool"], &SECONDS_BUCKETS),
+            action_latency: r.histogram("idem_action_latency_seconds", "From the action event's time (or its receipt) to its outcome recorded.", &["tool"], &SECONDS_BUCKETS),
             outbox_pending,
             outbox_oldest_age,
-            consumer_lag,
+            consumer_lag: r.gauge_vec("idem_consumer_lag", "Messages of the actions topic not yet consumed, per partition (librdkafka statistics).", &["partition"]),
             inflight,
-            messages_consumed: counter(
-                &r,
-                "idem_messages_consumed_total",
-                "Action messages read from Kafka, by origin.",
-                &["origin"],
-            ),
-            outcomes_published: counter(
-                &r,
-                "idem_outcomes_published_total",
-                "Outcome events acknowledged by Kafka.",
-                &["topic"],
-            ),
-            registry: r,
+            messages_consumed: r.counter("idem_messages_consumed_total", "Action messages read from Kafka, by origin.", &["origin"]),
+            outcomes_published: r.counter("idem_outcomes_published_total", "Outcome events acknowledged by Kafka.", &["topic"]),
+            names: r.names,
+            registry: r.registry,
         }
+    }
+
+    /// Every metric family this relay exports (histograms add `_bucket`, `_sum`, `_count`).
+    pub fn names(&self) -> &[String] {
+        &self.names
     }
 
     /// Prometheus text exposition of every metric.

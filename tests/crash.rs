@@ -240,8 +240,31 @@ async fn redelivery_after_a_crash_before_the_offset_commit_executes_once() {
         "it died before executing"
     );
 
+    // The restarted relay's admin listener on a known port, to read its counters.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let text = std::fs::read_to_string(&config)
+        .unwrap()
+        .replace("127.0.0.1:0", &format!("127.0.0.1:{port}"));
+    std::fs::write(&config, text).unwrap();
     let _relay = Child::spawn(&config, None, dir.path().join("2.log"));
     outcomes.answer("e1", "succeeded").await;
+    let admin: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    common::eventually(
+        "the redelivery counted",
+        Duration::from_secs(30),
+        || async {
+            let m = common::metrics(admin).await;
+            common::sample(
+                &m,
+                r#"idem_duplicates_total{origin="redelivery",tool="send_email"}"#,
+            ) == 1.0
+        },
+    )
+    .await;
     common::eventually(
         "the re-read record logged as a redelivery",
         Duration::from_secs(30),

@@ -1,0 +1,236 @@
+//! What SREs see: alert rules tested with promtool, the dashboard and rules checked against the
+//! metrics the relay exports, explain after a timeout, a verify and a duplicate, and the trace
+//! context carried from the action to the downstream and the outcome.
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::path::Path;
+
+use common::{action, Env};
+use idem::fake_downstream::Step;
+use serde_json::json;
+
+fn root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+#[test]
+fn alert_rules_pass_their_promtool_tests() {
+    let out = std::process::Command::new("promtool")
+        .args(["test", "rules", "alerts.test.yml"])
+        .current_dir(root().join("deploy/prometheus"))
+        .output()
+        .expect("promtool runs (deploy/test.sh installs Debian's prometheus package)");
+    assert!(
+        out.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// `idem_*` names in a PromQL expression, histogram suffixes folded into their family.
+fn metric_names(expr: &str, into: &mut BTreeSet<String>) {
+    let bytes = expr.as_bytes();
+    let mut i = 0;
+    while let Some(at) = expr[i..].find("idem_") {
+        let start = i + at;
+        let mut end = start;
+        while end < bytes.len() && (bytes[end].is_ascii_alphanumeric() || bytes[end] == b'_') {
+            end += 1;
+        }
+        let name = &expr[start..end];
+        let family = ["_bucket", "_sum", "_count"]
+            .iter()
+            .find_map(|s| {
+                name.strip_suffix(s)
+                    .filter(|f| f.ends_with("_seconds") || f.ends_with("_per_action"))
+            })
+            .unwrap_or(name);
+        into.insert(family.to_string());
+        i = end;
+    }
+}
+
+#[test]
+fn every_metric_the_dashboard_and_rules_query_is_exported() {
+    let exported: BTreeSet<String> = idem::metrics::Metrics::new()
+        .names()
+        .iter()
+        .cloned()
+        .collect();
+    let mut queried = BTreeSet::new();
+    let dashboard: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(root().join("deploy/grafana/dashboards/idem.json")).unwrap(),
+    )
+    .unwrap();
+    let mut panels = 0;
+    for panel in dashboard["panels"].as_array().unwrap() {
+        for target in panel["targets"].as_array().into_iter().flatten() {
+            metric_names(target["expr"].as_str().unwrap(), &mut queried);
+            panels += 1;
+        }
+    }
+    let rules: serde_yaml::Value = serde_yaml::from_str(
+        &std::fs::read_to_string(root().join("deploy/prometheus/alerts.yml")).unwrap(),
+    )
+    .unwrap();
+    for group in rules["groups"].as_sequence().unwrap() {
+        for rule in group["rules"].as_sequence().unwrap() {
+            metric_names(rule["expr"].as_str().unwrap(), &mut queried);
+        }
+    }
+    assert!(
+        panels >= 10 && queried.len() >= 10,
+        "{panels} targets, {queried:?}"
+    );
+    let missing: Vec<_> = queried.difference(&exported).collect();
+    assert!(missing.is_empty(), "queried but not exported: {missing:?}");
+}
+
+const EMAIL: &str = r#"
+[[tools]]
+name = "send_email"
+class = "dangerous"
+key = ["run_id", "tool", "business_id"]
+material = ["args.to"]
+executor = { kind = "http", url = "{downstream}/v1/send_email", timeout = "500ms" }
+verify = { url = "{downstream}/v1/effects/{key}", backoff = "20ms" }
+"#;
+
+#[tokio::test]
+async fn explain_shows_a_timeout_a_verify_and_a_duplicate() {
+    let env = Env::new().await;
+    let key = "r1:send_email:b1";
+    env.downstream
+        .script(Some(key), vec![Step::Named("effect_then_timeout".into())]);
+    let outcomes = env.outcomes().await;
+    let relay = env.start(env.config(EMAIL, "").await).await;
+    let p = env.producer();
+    let traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    let mut first = action(
+        "e1",
+        json!({"run_id": "r1", "tool": "send_email", "business_id": "b1", "args": {"to": "c"}}),
+    );
+    first["traceparent"] = json!(traceparent);
+    p.send(&first).await;
+    outcomes.answer("e1", "succeeded").await;
+    p.send(&action("e2", json!({"run_id": "r1", "tool": "send_email", "business_id": "b1", "args": {"to": "c", "subject": "again"}}))).await;
+    outcomes.answer("e2", "succeeded").await;
+
+    let e = common::explain(&env, key).await;
+    let deliveries: Vec<(&str, &str)> = e["deliveries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| {
+            (
+                d["action_event_id"].as_str().unwrap(),
+                d["origin"].as_str().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(deliveries, [("e1", "first"), ("e2", "model_retry")]);
+    let calls: Vec<(&str, &str, &str)> = e["calls"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| {
+            (
+                a["kind"].as_str().unwrap(),
+                a["reason"].as_str().unwrap(),
+                a["result"].as_str().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        calls,
+        [
+            ("call", "first", "ambiguous"),
+            ("verify", "transport_retry", "done")
+        ]
+    );
+    assert!(
+        e["calls"][0]["error"]
+            .as_str()
+            .unwrap()
+            .contains("timed out"),
+        "{e:#}"
+    );
+    let statuses: Vec<(&str, bool)> = e["outcomes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|o| {
+            (
+                o["status"].as_str().unwrap(),
+                o["duplicate"].as_bool().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(statuses, [("succeeded", false), ("succeeded", true)]);
+    let text = idem::inspect::render(&e);
+    assert!(
+        text.contains("model_retry") && text.contains("verify") && text.contains("(duplicate)"),
+        "{text}"
+    );
+
+    // The same answer over HTTP.
+    let http: serde_json::Value =
+        reqwest::get(format!("http://{}/v1/actions/{key}", relay.admin()))
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+    assert_eq!(http["calls"], e["calls"]);
+    let missing = reqwest::get(format!("http://{}/v1/actions/nope", relay.admin()))
+        .await
+        .unwrap();
+    assert_eq!(missing.status(), 404);
+
+    // The trace context went downstream and onto the outcome.
+    assert_eq!(
+        env.downstream.traceparent(key).as_deref(),
+        Some(traceparent)
+    );
+    let published = outcomes.all();
+    let first_outcome = published
+        .iter()
+        .find(|m| m.json()["data"]["action_event_id"] == "e1")
+        .unwrap();
+    assert_eq!(
+        first_outcome.headers.get("traceparent").map(String::as_str),
+        Some(traceparent)
+    );
+    assert_eq!(
+        first_outcome
+            .headers
+            .get("content-type")
+            .map(String::as_str),
+        Some("application/cloudevents+json")
+    );
+
+    let m = common::metrics(relay.admin()).await;
+    assert_eq!(
+        common::sample(
+            &m,
+            r#"idem_verifications_total{result="done",tool="send_email"}"#
+        ),
+        1.0,
+        "{m}"
+    );
+    assert_eq!(
+        common::sample(
+            &m,
+            r#"idem_duplicates_total{origin="model_retry",tool="send_email"}"#
+        ),
+        1.0
+    );
+    assert_eq!(
+        common::sample(&m, r#"idem_side_effects_total{tool="send_email"}"#),
+        1.0
+    );
+    relay.stop().await;
+}
