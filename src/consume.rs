@@ -65,8 +65,14 @@ impl Consume {
             }
             self.process(&batch, &shutdown).await;
         }
-        if let Err(e) = consumer.commit_consumer_state(CommitMode::Sync) {
-            tracing::warn!(error = %e, "final offset commit failed; the next relay re-reads from the last commit");
+        match consumer.commit_consumer_state(CommitMode::Sync) {
+            Ok(()) => {}
+            // Nothing stored since the last commit: nothing to do.
+            Err(e)
+                if e.rdkafka_error_code() == Some(rdkafka::types::RDKafkaErrorCode::NoOffset) => {}
+            Err(e) => {
+                tracing::warn!(error = %e, "final offset commit failed; the next relay re-reads from the last commit")
+            }
         }
     }
 

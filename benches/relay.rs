@@ -1,0 +1,537 @@
+//! The relay benchmark: the same workload through idem and through the naive relay a reader of
+//! the idempotency literature writes first, on the same Kafka and Postgres, in one run.
+//!
+//! `cargo bench --bench relay -- [--actions N] [--dup 0.1] [--latency-ms 0] [--partitions 6]
+//! [--payload 200] [--concurrency 256] [--naive-actions N] [--modes idem,naive]`
+//!
+//! Without `--bench` (as `cargo test --all-targets` runs it) it is a smoke run of a few hundred
+//! actions, so the benchmark keeps working. Each mode runs its relay as a child process, so its
+//! CPU and peak RSS are its own, and checks correctness as it goes: effects at the downstream ==
+//! distinct keys, every action answered.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use idem::fake_downstream::FakeDownstream;
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::config::ClientConfig;
+use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::Message;
+use serde_json::{json, Value};
+use tokio_util::sync::CancellationToken;
+
+#[derive(Clone, Debug)]
+struct Opts {
+    actions: usize,
+    naive_actions: usize,
+    dup: f64,
+    latency_ms: u64,
+    partitions: i32,
+    payload: usize,
+    concurrency: usize,
+    modes: Vec<String>,
+    full: bool,
+}
+
+fn parse() -> Opts {
+    let args: Vec<String> = std::env::args().collect();
+    let full = args.iter().any(|a| a == "--bench");
+    let get = |name: &str| {
+        args.iter()
+            .position(|a| a == name)
+            .and_then(|i| args.get(i + 1))
+            .cloned()
+    };
+    let num =
+        |name: &str, default: usize| get(name).map_or(default, |v| v.parse().expect("a number"));
+    Opts {
+        actions: num("--actions", if full { 20_000 } else { 300 }),
+        naive_actions: num("--naive-actions", if full { 2_000 } else { 60 }),
+        dup: get("--dup").map_or(0.1, |v| v.parse().expect("a ratio")),
+        latency_ms: num("--latency-ms", 0) as u64,
+        partitions: num("--partitions", 6) as i32,
+        payload: num("--payload", 200),
+        concurrency: num("--concurrency", 256),
+        modes: get("--modes").map_or_else(
+            || vec!["idem".into(), "naive".into()],
+            |m| m.split(',').map(str::to_string).collect(),
+        ),
+        full,
+    }
+}
+
+fn brokers() -> String {
+    std::env::var("IDEM_TEST_KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into())
+}
+
+fn postgres_url() -> String {
+    std::env::var("IDEM_TEST_POSTGRES_URL")
+        .unwrap_or_else(|_| "postgres://idem:idem@127.0.0.1:5432/idem".into())
+}
+
+#[derive(Debug, Default)]
+struct Report {
+    mode: String,
+    actions: usize,
+    distinct: usize,
+    seconds: f64,
+    p50_ms: f64,
+    p99_ms: f64,
+    p999_ms: f64,
+    cpu_seconds: f64,
+    peak_rss_mib: f64,
+    commits_per_action: f64,
+    effects: u64,
+}
+
+impl Report {
+    fn throughput(&self) -> f64 {
+        self.actions as f64 / self.seconds
+    }
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    if args.get(1).map(String::as_str) == Some("--naive-worker") {
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        rt.block_on(naive::run(serde_json::from_str(&args[2]).unwrap()));
+        return;
+    }
+    let opts = parse();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let mut reports = Vec::new();
+    for mode in &opts.modes {
+        let n = if mode == "naive" {
+            opts.naive_actions
+        } else {
+            opts.actions
+        };
+        let r = rt.block_on(run_mode(mode, n, &opts));
+        check(&r);
+        reports.push(r);
+    }
+    print_table(&opts, &reports);
+}
+
+fn check(r: &Report) {
+    assert_eq!(
+        r.effects, r.distinct as u64,
+        "{}: effects at the downstream must equal distinct keys",
+        r.mode
+    );
+}
+
+fn print_table(opts: &Opts, reports: &[Report]) {
+    println!(
+        "\nworkload: {} dup ratio, {} ms downstream, {} partitions, {} B args, concurrency {}{}",
+        opts.dup,
+        opts.latency_ms,
+        opts.partitions,
+        opts.payload,
+        opts.concurrency,
+        if opts.full { "" } else { " (smoke)" }
+    );
+    println!("| mode | actions | actions/s | ratio to idem | p50 ms | p99 ms | p99.9 ms | relay CPU s | peak RSS MiB | PG commits/action | effects == distinct keys |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    let idem = reports
+        .iter()
+        .find(|r| r.mode == "idem")
+        .map(Report::throughput);
+    for r in reports {
+        let ratio = idem.map_or("-".into(), |t| format!("{:.3}", r.throughput() / t));
+        println!(
+            "| {} | {} | {:.0} | {} | {:.1} | {:.1} | {:.1} | {:.2} | {:.1} | {:.2} | {} == {} |",
+            r.mode,
+            r.actions,
+            r.throughput(),
+            ratio,
+            r.p50_ms,
+            r.p99_ms,
+            r.p999_ms,
+            r.cpu_seconds,
+            r.peak_rss_mib,
+            r.commits_per_action,
+            r.effects,
+            r.distinct
+        );
+    }
+}
+
+/// One event per action; `dup` of them repeat an earlier key (half replays, half rewordings).
+fn workload(n: usize, dup: f64, payload: usize) -> (Vec<(String, Value)>, usize) {
+    let distinct = ((n as f64) * (1.0 - dup)).round().max(1.0) as usize;
+    let pad = "x".repeat(payload);
+    let events = (0..n)
+        .map(|i| {
+            let k = if i < distinct { i } else { (i * 7919) % distinct };
+            let subject = if i >= distinct && i % 2 == 1 { "reworded" } else { "hello" };
+            let id = format!("bench-{i}");
+            let event = json!({
+                "specversion": "1.0", "id": id, "source": "bench", "type": "dev.idem.action.v1",
+                "data": {"run_id": format!("run-{}", k % 97), "tool": "send", "business_id": format!("b{k}"),
+                         "args": {"to": format!("c{k}"), "subject": subject, "pad": pad}}
+            });
+            (id, event)
+        })
+        .collect();
+    (events, distinct)
+}
+
+async fn create_topics(names: &[&str], partitions: i32) {
+    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .create()
+        .unwrap();
+    let topics: Vec<NewTopic<'_>> = names
+        .iter()
+        .map(|t| NewTopic::new(t, partitions, TopicReplication::Fixed(1)))
+        .collect();
+    admin
+        .create_topics(&topics, &AdminOptions::new())
+        .await
+        .unwrap();
+}
+
+/// Committed transactions in this database. Postgres publishes its counters about once a
+/// second, so the reading waits for them to settle.
+async fn pg_commits(client: &tokio_postgres::Client) -> i64 {
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    client
+        .batch_execute("select pg_stat_clear_snapshot()")
+        .await
+        .unwrap();
+    client
+        .query_one(
+            "select xact_commit from pg_stat_database where datname = current_database()",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0)
+}
+
+fn proc_stats(pid: u32) -> (f64, f64) {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let fields: Vec<&str> = stat
+        .rsplit(')')
+        .next()
+        .unwrap_or("")
+        .split_whitespace()
+        .collect();
+    let ticks = |i: usize| {
+        fields
+            .get(i)
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    // utime and stime are fields 14 and 15 of stat, 12 and 13 after the command name.
+    let cpu = (ticks(11) + ticks(12)) / 100.0;
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let hwm_kib = status
+        .lines()
+        .find(|l| l.starts_with("VmHWM:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse::<f64>().ok())
+        .unwrap_or(0.0);
+    (cpu, hwm_kib / 1024.0)
+}
+
+async fn run_mode(mode: &str, n: usize, opts: &Opts) -> Report {
+    let base = format!(
+        "bench_{}_{}",
+        mode,
+        &uuid::Uuid::new_v4().simple().to_string()[..8]
+    );
+    let (actions, outcomes, dlq) = (
+        format!("{base}.actions"),
+        format!("{base}.outcomes"),
+        format!("{base}.dlq"),
+    );
+    create_topics(&[&actions, &outcomes, &dlq], opts.partitions).await;
+    let stop = CancellationToken::new();
+    let downstream = FakeDownstream::new(false);
+    let addr = downstream
+        .clone()
+        .spawn("127.0.0.1:0".parse().unwrap(), stop.clone())
+        .await
+        .unwrap();
+    let delay = if opts.latency_ms > 0 {
+        format!("?delay_ms={}", opts.latency_ms)
+    } else {
+        String::new()
+    };
+    let url = format!("http://{addr}/v1/send{delay}");
+
+    let (pg, conn) = tokio_postgres::connect(&postgres_url(), tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = match mode {
+        "idem" => {
+            let config = format!(
+                r#"
+[kafka]
+brokers = "{brokers}"
+group_id = "{base}"
+actions_topic = "{actions}"
+outcomes_topic = "{outcomes}"
+dlq_topic = "{dlq}"
+partitions = {partitions}
+[postgres]
+url = "{pg}"
+schema = "{base}"
+pool_size = 16
+[relay]
+concurrency = {concurrency}
+[admin]
+listen = "127.0.0.1:0"
+[[tools]]
+name = "send"
+class = "dangerous"
+key = ["run_id", "tool", "business_id"]
+material = ["args.to"]
+executor = {{ kind = "http", url = "{url}", timeout = "10s" }}
+"#,
+                brokers = brokers(),
+                partitions = opts.partitions,
+                pg = postgres_url(),
+                concurrency = opts.concurrency,
+            );
+            let path = dir.path().join("idem.toml");
+            std::fs::write(&path, config).unwrap();
+            let config = idem::config::Config::load(&path, |_| None).unwrap();
+            idem::db::migrate(&config.postgres).await.unwrap();
+            std::process::Command::new(env!("CARGO_BIN_EXE_idem"))
+                .args(["relay", "--config", path.to_str().unwrap()])
+                .env("IDEM_LOG", "warn")
+                .spawn()
+                .unwrap()
+        }
+        "naive" => {
+            let spec = json!({"brokers": brokers(), "group": base, "actions": actions, "outcomes": outcomes,
+                              "pg": postgres_url(), "schema": base, "url": url});
+            std::process::Command::new(std::env::current_exe().unwrap())
+                .args(["--naive-worker", &spec.to_string()])
+                .spawn()
+                .unwrap()
+        }
+        other => panic!("unknown mode {other}: use idem or naive"),
+    };
+
+    // Collect outcomes from the start of the topic.
+    let answered: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
+    let consumer: StreamConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .set("group.id", format!("{base}.collector"))
+        .set("auto.offset.reset", "earliest")
+        .set("enable.auto.commit", "false")
+        .create()
+        .unwrap();
+    consumer.subscribe(&[&outcomes]).unwrap();
+    let collector = {
+        let answered = answered.clone();
+        let stop = stop.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    m = consumer.recv() => if let Ok(m) = m {
+                        if let Some(v) = m.payload().and_then(|p| serde_json::from_slice::<Value>(p).ok()) {
+                            if let Some(id) = v["data"]["action_event_id"].as_str() {
+                                answered.lock().unwrap().entry(id.to_string()).or_insert_with(Instant::now);
+                            }
+                        }
+                    }
+                }
+            }
+        })
+    };
+
+    let (events, distinct) = workload(n, opts.dup, opts.payload);
+    let producer: FutureProducer = ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .set("linger.ms", "5")
+        .set("enable.idempotence", "true")
+        .create()
+        .unwrap();
+    // Let the relay join its group before the clock starts.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let commits_before = pg_commits(&pg).await;
+    let (cpu_before, _) = proc_stats(child.id());
+    let started = Instant::now();
+    let mut published: HashMap<String, Instant> = HashMap::with_capacity(n);
+    for chunk in events.chunks(1000) {
+        let sends: Vec<_> = chunk
+            .iter()
+            .map(|(id, e)| {
+                published.insert(id.clone(), Instant::now());
+                let payload = serde_json::to_vec(e).unwrap();
+                let key = e["data"]["run_id"].as_str().unwrap().to_string();
+                let producer = producer.clone();
+                let topic = actions.clone();
+                async move {
+                    producer
+                        .send(
+                            FutureRecord::to(&topic).key(&key).payload(&payload),
+                            Duration::from_secs(30),
+                        )
+                        .await
+                        .map_err(|(e, _)| e)
+                        .unwrap();
+                }
+            })
+            .collect();
+        futures::future::join_all(sends).await;
+    }
+    let deadline = Instant::now() + Duration::from_secs(if opts.full { 900 } else { 120 });
+    let mut peak_rss: f64 = 0.0;
+    loop {
+        let done = answered.lock().unwrap().len();
+        peak_rss = peak_rss.max(proc_stats(child.id()).1);
+        if events
+            .iter()
+            .all(|(id, _)| answered.lock().unwrap().contains_key(id))
+        {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{mode}: only {done} of {n} actions answered in time"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let finished = answered.lock().unwrap().values().max().copied().unwrap();
+    let seconds = finished.duration_since(started).as_secs_f64();
+    let (cpu_after, hwm) = proc_stats(child.id());
+    let commits = pg_commits(&pg).await - commits_before;
+    let mut latencies: Vec<f64> = {
+        let a = answered.lock().unwrap();
+        published
+            .iter()
+            .map(|(id, t)| a[id].duration_since(*t).as_secs_f64() * 1000.0)
+            .collect()
+    };
+    latencies.sort_by(f64::total_cmp);
+    let pct = |p: f64| latencies[((latencies.len() as f64 - 1.0) * p).round() as usize];
+    let _ = std::process::Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status();
+    let _ = child.wait();
+    stop.cancel();
+    let _ = collector.await;
+    Report {
+        mode: mode.to_string(),
+        actions: n,
+        distinct,
+        seconds,
+        p50_ms: pct(0.5),
+        p99_ms: pct(0.99),
+        p999_ms: pct(0.999),
+        cpu_seconds: cpu_after - cpu_before,
+        peak_rss_mib: peak_rss.max(hwm),
+        commits_per_action: commits as f64 / n as f64,
+        effects: downstream.total_effects(),
+    }
+}
+
+/// The naive relay, honestly implemented: per message, one transaction to check the key and
+/// insert "started", the call, one transaction to mark it done, the outcome produced and
+/// awaited, the offset committed — one message at a time.
+mod naive {
+    use super::*;
+
+    pub async fn run(spec: Value) {
+        let s = |k: &str| spec[k].as_str().unwrap().to_string();
+        let (client, conn) = tokio_postgres::connect(&s("pg"), tokio_postgres::NoTls)
+            .await
+            .unwrap();
+        tokio::spawn(conn);
+        let schema = s("schema");
+        client
+            .batch_execute(&format!(
+                "create schema if not exists {schema};
+                 set search_path = {schema};
+                 create table if not exists naive_keys (key text primary key, status text not null, result jsonb)"
+            ))
+            .await
+            .unwrap();
+        let consumer: StreamConsumer = ClientConfig::new()
+            .set("bootstrap.servers", s("brokers"))
+            .set("group.id", s("group"))
+            .set("auto.offset.reset", "earliest")
+            .set("enable.auto.commit", "false")
+            .create()
+            .unwrap();
+        consumer.subscribe(&[&s("actions")]).unwrap();
+        let producer: FutureProducer = ClientConfig::new()
+            .set("bootstrap.servers", s("brokers"))
+            .set("enable.idempotence", "true")
+            .create()
+            .unwrap();
+        let http = reqwest::Client::new();
+        let (url, outcomes) = (s("url"), s("outcomes"));
+        loop {
+            let m = consumer.recv().await.unwrap();
+            let event: Value =
+                serde_json::from_slice(m.payload().unwrap_or_default()).unwrap_or(Value::Null);
+            let d = &event["data"];
+            let key = format!(
+                "{}:{}:{}",
+                d["run_id"].as_str().unwrap_or(""),
+                d["tool"].as_str().unwrap_or(""),
+                d["business_id"].as_str().unwrap_or("")
+            );
+            let inserted = client
+                .execute("insert into naive_keys (key, status) values ($1, 'started') on conflict do nothing", &[&key])
+                .await
+                .unwrap();
+            let (result, duplicate) = if inserted == 1 {
+                let body: Value = http
+                    .post(&url)
+                    .header("Idempotency-Key", &key)
+                    .json(&d["args"])
+                    .send()
+                    .await
+                    .unwrap()
+                    .json()
+                    .await
+                    .unwrap_or(Value::Null);
+                client
+                    .execute(
+                        "update naive_keys set status = 'done', result = $2 where key = $1",
+                        &[&key, &body],
+                    )
+                    .await
+                    .unwrap();
+                (body, false)
+            } else {
+                let row = client
+                    .query_one("select result from naive_keys where key = $1", &[&key])
+                    .await
+                    .unwrap();
+                (row.get::<_, Option<Value>>(0).unwrap_or(Value::Null), true)
+            };
+            let outcome = json!({"specversion": "1.0", "type": "dev.idem.outcome.v1", "source": "naive",
+                "id": uuid::Uuid::new_v4().to_string(), "subject": key,
+                "data": {"idempotency_key": key, "action_event_id": event["id"], "status": "succeeded",
+                         "result": result, "duplicate": duplicate}});
+            let payload = serde_json::to_vec(&outcome).unwrap();
+            producer
+                .send(
+                    FutureRecord::to(&outcomes).key(&key).payload(&payload),
+                    Duration::from_secs(30),
+                )
+                .await
+                .map_err(|(e, _)| e)
+                .unwrap();
+            consumer.commit_message(&m, CommitMode::Sync).unwrap();
+        }
+    }
+}
