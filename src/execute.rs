@@ -28,16 +28,50 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
+use crate::answer::KeyState;
+use crate::batch::{BatchError, Batcher};
 use crate::config::{Config, Executor as ExecutorKind, RetryPolicy, SqlParam, Tool, ToolClass};
 use crate::db::{self, DbError};
 use crate::event::{ActionData, OutcomeError, OutcomeStatus};
 use crate::http::{self, Attempt, Verified};
 use crate::key;
 use crate::metrics::Metrics;
-use crate::store::{self, AttemptEnd, Claimed, FinishError, Guard, Settled};
+use crate::store::{self, AttemptEnd, Claimed, Finish, FinishError, Guard, Settled};
 
 /// Intents that may wait for a permit at once; past this the consumer waits.
 const QUEUE_PER_PERMIT: usize = 4;
+/// Claims or outcomes per group-commit transaction, and such transactions in flight at once.
+const BATCH: usize = 256;
+const BATCH_WORKERS: usize = 4;
+
+fn gone() -> BatchError {
+    BatchError {
+        transient: false,
+        message: "executor shut down".into(),
+    }
+}
+
+/// Retries transient database trouble with backoff for up to a minute: the intent is durable
+/// and its lease keeps it ours meanwhile; past that, the lease lapses and recovery settles it.
+async fn with_retry<T, F, Fut>(what: &str, f: F) -> Result<T, ExecError>
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = Result<T, ExecError>>,
+{
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut backoff = Duration::from_millis(50);
+    loop {
+        match f().await {
+            Ok(v) => return Ok(v),
+            Err(e) if e.is_transient() && Instant::now() < deadline => {
+                tracing::warn!(error = %e, what, "database unavailable; retrying");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(5));
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
 
 pub struct Executor {
     pool: Pool,
@@ -52,6 +86,9 @@ pub struct Executor {
     channel: String,
     /// Intents queued or running here, so recovery does not queue them twice.
     local: Mutex<HashSet<i64>>,
+    /// Group commit of claims and of http outcomes.
+    claims: Batcher<i64, Result<Option<Claimed>, BatchError>>,
+    finishes: Batcher<Finish, Result<Option<KeyState>, BatchError>>,
     tasks: Mutex<JoinSet<()>>,
 }
 
@@ -72,7 +109,52 @@ impl Executor {
             .pool_max_idle_per_host(config.relay.concurrency)
             .build()
             .expect("http client builds");
+        let owner = config.relay.instance_id.clone();
+        let lease = config.relay.lease.as_secs_f64();
+        let channel = store::outbox_channel(&config.postgres.schema);
+        let claims = {
+            let (pool, owner) = (pool.clone(), owner.clone());
+            Batcher::spawn(BATCH, BATCH_WORKERS, move |ids: Vec<i64>| {
+                let (pool, owner) = (pool.clone(), owner.clone());
+                async move {
+                    let claimed = async {
+                        let client = pool.get().await?;
+                        store::claim_many(&**client, &ids, &owner, lease).await
+                    }
+                    .await;
+                    match claimed {
+                        Ok(mut map) => ids.iter().map(|id| Ok(map.remove(id))).collect(),
+                        Err(e) => vec![Err(BatchError::from(&e)); ids.len()],
+                    }
+                }
+            })
+        };
+        let finishes = {
+            let (pool, channel) = (pool.clone(), channel.clone());
+            Batcher::spawn(BATCH, BATCH_WORKERS, move |items: Vec<Finish>| {
+                let (pool, channel) = (pool.clone(), channel.clone());
+                async move {
+                    let n = items.len();
+                    let done = async {
+                        let mut client = pool.get().await?;
+                        let tx = client.transaction().await?;
+                        let states = store::finish_many(&tx, &items, &channel).await?;
+                        crash_point!("before-outcome-commit");
+                        tx.commit().await?;
+                        crash_point!("after-outcome-commit");
+                        Ok::<_, DbError>(states)
+                    }
+                    .await;
+                    match done {
+                        Ok(states) => states.into_iter().map(Ok).collect(),
+                        Err(e) => vec![Err(BatchError::from(&e)); n],
+                    }
+                }
+            })
+        };
         Arc::new(Executor {
+            claims,
+            finishes,
             pool,
             tools,
             tool_permits,
@@ -80,9 +162,9 @@ impl Executor {
             queue: Arc::new(Semaphore::new(config.relay.concurrency * QUEUE_PER_PERMIT)),
             http,
             metrics,
-            owner: config.relay.instance_id.clone(),
+            owner,
             lease: config.relay.lease,
-            channel: store::outbox_channel(&config.postgres.schema),
+            channel,
             local: Mutex::new(HashSet::new()),
             tasks: Mutex::new(JoinSet::new()),
         })
@@ -122,42 +204,36 @@ impl Executor {
             .await
             .expect("never closed");
         drop(slot);
-        let mut backoff = Duration::from_millis(50);
-        // Database trouble is retried: the intent is durable, and giving up would strand it
-        // until recovery, which would treat the call as ambiguous.
-        loop {
-            match self.execute(id).await {
-                Ok(()) => break,
-                Err(ExecError::Fenced) => {
-                    tracing::warn!(
-                        intent = id,
-                        "lease lost to another relay; result not recorded"
-                    );
-                    break;
-                }
-                Err(ExecError::Db(e)) if e.is_transient() => {
-                    tracing::warn!(intent = id, error = %e, "database unavailable; retrying");
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(Duration::from_secs(5));
-                }
-                Err(ExecError::Db(e)) => {
-                    tracing::error!(intent = id, error = %e, "cannot record outcome; recovery will retry");
-                    break;
-                }
+        match self.execute(id).await {
+            Ok(()) => {}
+            Err(ExecError::Fenced) => {
+                tracing::warn!(
+                    intent = id,
+                    "lease lost to another relay; result not recorded"
+                );
+            }
+            // The claim lapses without renewal and recovery settles the intent.
+            Err(e) => {
+                tracing::error!(intent = id, error = %e, "giving up on the database; recovery will settle it");
             }
         }
         drop(permit);
         drop(tool_permit);
     }
 
+    /// Claim (batched with other claims), call, record (batched with other records).
     async fn execute(&self, id: i64) -> Result<(), ExecError> {
-        let client = self.pool.get().await.map_err(DbError::from)?;
-        let Some(claimed) =
-            store::claim(&**client, id, &self.owner, self.lease.as_secs_f64()).await?
+        let Some(claimed) = with_retry("claim", || async {
+            self.claims
+                .call(id)
+                .await
+                .unwrap_or_else(|| Err(gone()))
+                .map_err(ExecError::Batch)
+        })
+        .await?
         else {
             return Ok(()); // somebody else has it, or it is already settled
         };
-        drop(client);
         let span = tracing::info_span!("action", key = %claimed.key, tool = %claimed.tool, run_id = %claimed.run_id);
         let _enter = span.enter();
         let Some(tool) = self.tools.get(&claimed.tool).cloned() else {
@@ -178,18 +254,15 @@ impl Executor {
                 Some("tool not configured".into()),
                 Duration::ZERO,
             );
-            return self.record(&claimed, settled, Some(end), None).await;
+            return self.record(&claimed, settled, Some(end)).await;
         };
         self.metrics.inflight.inc();
         let result = match &tool.executor {
             ExecutorKind::Http(_) => match self.call_http(&tool, &claimed).await {
-                Ok((settled, end)) => self.record(&claimed, settled, Some(end), None).await,
+                Ok((settled, end)) => self.record(&claimed, settled, Some(end)).await,
                 Err(e) => Err(e),
             },
-            ExecutorKind::Sql(_) => {
-                self.record(&claimed, Settled::placeholder(), None, Some(&tool))
-                    .await
-            }
+            ExecutorKind::Sql(_) => with_retry("record", || self.record_sql(&claimed, &tool)).await,
         };
         self.metrics.inflight.dec();
         result
@@ -440,61 +513,76 @@ impl Executor {
         )
     }
 
+    /// Opens the next attempt row; a lost claim ends the call here.
     async fn begin(&self, c: &Claimed, kind: &str, reason: &str) -> Result<i32, ExecError> {
-        let client = self.pool.get().await.map_err(DbError::from)?;
-        store::begin_attempt(&**client, c, kind, reason, &self.owner)
-            .await?
-            .ok_or(ExecError::Fenced)
+        with_retry("begin attempt", || async {
+            let client = self.pool.get().await.map_err(DbError::from)?;
+            store::begin_attempt(&**client, c, kind, reason, &self.owner)
+                .await?
+                .ok_or(ExecError::Fenced)
+        })
+        .await
     }
 
     async fn end(&self, c: &Claimed, end: AttemptEnd) -> Result<(), ExecError> {
-        let client = self.pool.get().await.map_err(DbError::from)?;
-        store::end_attempt(&**client, c.id, &end).await?;
-        Ok(())
+        with_retry("end attempt", || async {
+            let client = self.pool.get().await.map_err(DbError::from)?;
+            store::end_attempt(&**client, c.id, &end).await?;
+            Ok(())
+        })
+        .await
     }
 
-    /// Finishes the intent in one transaction with its last attempt's end: for the sql
-    /// executor the statement runs in it too, so the effect and its record commit together or
-    /// not at all.
+    /// Records a call's result, grouped with other calls' results into one transaction.
     async fn record(
         &self,
         c: &Claimed,
         settled: Settled,
         end: Option<AttemptEnd>,
-        sql_tool: Option<&Tool>,
     ) -> Result<(), ExecError> {
+        let item = Finish {
+            id: c.id,
+            epoch: c.epoch,
+            settled: settled.clone(),
+            end,
+        };
+        let state = with_retry("record", || {
+            let item = item.clone();
+            async move {
+                self.finishes
+                    .call(item)
+                    .await
+                    .unwrap_or_else(|| Err(gone()))
+                    .map_err(ExecError::Batch)
+            }
+        })
+        .await?
+        .ok_or(ExecError::Fenced)?;
+        self.recorded(c, &settled, &state, false);
+        Ok(())
+    }
+
+    /// The sql executor: the statement runs in the transaction that records its outcome, so
+    /// the effect and its record commit together or not at all.
+    async fn record_sql(&self, c: &Claimed, tool: &Tool) -> Result<(), ExecError> {
         let mut client = self.pool.get().await.map_err(DbError::from)?;
         let tx = client.transaction().await.map_err(DbError::from)?;
-        let (settled, end) = match sql_tool {
-            None => (settled, end),
-            Some(tool) => {
-                let started = Instant::now();
-                let settled = run_sql(&tx, tool, c).await?;
-                let class = if settled.status == OutcomeStatus::Succeeded {
-                    "succeeded"
-                } else {
-                    "failed"
-                };
-                let detail = settled.error.as_ref().map(|e| e.message.clone());
-                (
-                    settled,
-                    Some(AttemptEnd::new(
-                        c.seq,
-                        class,
-                        None,
-                        detail,
-                        started.elapsed(),
-                    )),
-                )
-            }
+        let started = Instant::now();
+        let settled = run_sql(&tx, tool, c).await?;
+        let class = if settled.status == OutcomeStatus::Succeeded {
+            "succeeded"
+        } else {
+            "failed"
         };
+        let detail = settled.error.as_ref().map(|e| e.message.clone());
+        let end = AttemptEnd::new(c.seq, class, None, detail, started.elapsed());
         crash_point!("before-outcome-commit");
         let state = match store::finish(
             &tx,
             c.id,
             Guard::Claim(c.epoch),
             &settled,
-            end.as_ref(),
+            Some(&end),
             &self.channel,
         )
         .await
@@ -505,7 +593,12 @@ impl Executor {
         };
         tx.commit().await.map_err(DbError::from)?;
         crash_point!("after-outcome-commit");
-        if sql_tool.is_some() && settled.status == OutcomeStatus::Succeeded {
+        self.recorded(c, &settled, &state, true);
+        Ok(())
+    }
+
+    fn recorded(&self, c: &Claimed, settled: &Settled, state: &KeyState, sql: bool) {
+        if sql && settled.status == OutcomeStatus::Succeeded {
             self.metrics.side_effect(&state.tool);
         }
         self.metrics.outcome(&state.tool, settled.status.as_str());
@@ -522,7 +615,6 @@ impl Executor {
             attempts = state.attempts,
             "outcome recorded"
         );
-        Ok(())
     }
 
     /// Extends the leases of every call this relay runs, until cancelled.
@@ -533,10 +625,18 @@ impl Executor {
                 _ = shutdown.cancelled() => return,
                 _ = tokio::time::sleep(every) => {}
             }
+            let ids: Vec<i64> = self
+                .local
+                .lock()
+                .expect("not poisoned")
+                .iter()
+                .copied()
+                .collect();
             match self.pool.get().await {
                 Ok(client) => {
                     if let Err(e) =
-                        store::extend_leases(&**client, &self.owner, self.lease.as_secs_f64()).await
+                        store::extend_leases(&**client, &self.owner, &ids, self.lease.as_secs_f64())
+                            .await
                     {
                         tracing::warn!(error = %e, "cannot extend leases");
                     }
@@ -662,6 +762,18 @@ enum ExecError {
     Fenced,
     #[error(transparent)]
     Db(#[from] DbError),
+    #[error(transparent)]
+    Batch(BatchError),
+}
+
+impl ExecError {
+    fn is_transient(&self) -> bool {
+        match self {
+            ExecError::Fenced => false,
+            ExecError::Db(e) => e.is_transient(),
+            ExecError::Batch(e) => e.transient,
+        }
+    }
 }
 
 impl From<tokio_postgres::Error> for ExecError {
@@ -683,10 +795,6 @@ impl Settled {
             error,
             attempts,
         }
-    }
-
-    fn placeholder() -> Self {
-        Settled::new(OutcomeStatus::Unknown, None, None, 0)
     }
 }
 

@@ -554,61 +554,6 @@ pub struct Claimed {
     pub seq: i32,
 }
 
-// The claim and the attempt row it opens commit together: there is never a call without a
-// durable record that it began.
-const CLAIM: &str = "
-    with c as (
-        update intents
-           set status = 'running', lease_owner = $2,
-               lease_expires_at = now() + make_interval(secs => $3),
-               lease_epoch = lease_epoch + 1, updated_at = now()
-         where id = $1 and status = 'pending'
-        returning id, idempotency_key, tool, run_id, step, business_id, args, action_event_id,
-                  traceparent, coalesce(event_time, created_at) as started, attempts, lease_epoch,
-                  needs_verify, next_reason
-    ), a as (
-        insert into attempts (intent_id, idempotency_key, seq, kind, reason, owner, lease_epoch)
-        select c.id, c.idempotency_key,
-               coalesce((select max(seq) from attempts where intent_id = c.id), 0) + 1,
-               case when c.needs_verify then 'verify' else 'call' end,
-               c.next_reason, $2, c.lease_epoch
-          from c
-        returning seq
-    )
-    select c.*, a.seq from c, a";
-
-pub async fn claim(
-    client: &impl GenericClient,
-    id: i64,
-    owner: &str,
-    lease_secs: f64,
-) -> Result<Option<Claimed>, DbError> {
-    let Some(row) = client.query_opt(CLAIM, &[&id, &owner, &lease_secs]).await? else {
-        return Ok(None);
-    };
-    let args: Value = row.get(6);
-    Ok(Some(Claimed {
-        id: row.get(0),
-        key: row.get(1),
-        tool: row.get(2),
-        run_id: row.get(3),
-        step: row.get(4),
-        business_id: row.get(5),
-        args: match args {
-            Value::Object(m) => m,
-            _ => Map::new(),
-        },
-        action_event_id: row.get(7),
-        traceparent: row.get(8),
-        started: row.get(9),
-        attempts: row.get(10),
-        epoch: row.get(11),
-        needs_verify: row.get(12),
-        reason: row.get(13),
-        seq: row.get(14),
-    }))
-}
-
 /// How an attempt ended, for the attempt log.
 #[derive(Debug, Clone)]
 pub struct AttemptEnd {
@@ -668,18 +613,21 @@ pub async fn end_attempt(
     Ok(())
 }
 
+// Only the claims whose calls are still running here: a claim whose task died lapses, and
+// recovery takes it over.
 const EXTEND_LEASES: &str = "
-    update intents set lease_expires_at = now() + make_interval(secs => $2)
-     where lease_owner = $1 and status = 'running'";
+    update intents set lease_expires_at = now() + make_interval(secs => $3)
+     where id = any($2) and lease_owner = $1 and status = 'running'";
 
-/// Keeps this relay's claims alive while their calls run.
+/// Keeps this relay's live claims alive while their calls run.
 pub async fn extend_leases(
     client: &impl GenericClient,
     owner: &str,
+    ids: &[i64],
     lease_secs: f64,
 ) -> Result<u64, DbError> {
     Ok(client
-        .execute(EXTEND_LEASES, &[&owner, &lease_secs])
+        .execute(EXTEND_LEASES, &[&owner, &ids, &lease_secs])
         .await?)
 }
 
@@ -693,22 +641,13 @@ pub struct Settled {
     pub attempts: i32,
 }
 
-const FINISH: &str = "
-    update intents
-       set status = $3, result = $4, error = $5, attempts = attempts + $6,
-           status_seq = status_seq + 1, lease_owner = null, lease_expires_at = null,
-           needs_verify = false, next_reason = 'first', updated_at = now(), finished_at = now()
-     where id = $1 and lease_epoch = $2 and status = 'running'
-    returning idempotency_key, run_id, step, tool, action_event_id, attempts, status_seq,
-              finished_at, traceparent";
-
 // A person's decision on a parked key: no claim to fence against, only the parked status.
 const FINISH_PARKED: &str = "
     update intents
-       set status = $3, result = $4, error = $5, attempts = attempts + $6,
+       set status = $2, result = $3, error = $4, attempts = attempts + $5,
            status_seq = status_seq + 1, lease_epoch = lease_epoch + 1,
            needs_verify = false, next_reason = 'first', updated_at = now(), finished_at = now()
-     where id = $1 and status = 'unknown' and $2::int8 is not null
+     where id = $1 and status = 'unknown'
     returning idempotency_key, run_id, step, tool, action_event_id, attempts, status_seq,
               finished_at, traceparent";
 
@@ -756,16 +695,24 @@ pub async fn finish(
         .error
         .as_ref()
         .map(|e| serde_json::to_value(e).expect("error serializes"));
-    let (query, epoch) = match guard {
-        Guard::Claim(epoch) => (FINISH, epoch),
-        Guard::Parked => (FINISH_PARKED, 0),
-    };
+    if let Guard::Claim(epoch) = guard {
+        let item = Finish {
+            id,
+            epoch,
+            settled: settled.clone(),
+            end: last_attempt.cloned(),
+        };
+        return finish_many(tx, &[item], channel)
+            .await?
+            .pop()
+            .flatten()
+            .ok_or(FinishError::Fenced(id));
+    }
     let row = tx
         .query_opt(
-            query,
+            FINISH_PARKED,
             &[
                 &id,
-                &epoch,
                 &settled.status.as_str(),
                 &settled.result,
                 &error,
@@ -940,4 +887,195 @@ pub async fn mark_published(tx: &Transaction<'_>, ids: &[i64]) -> Result<(), DbE
 pub async fn outbox_lag(client: &impl GenericClient) -> Result<(i64, f64), DbError> {
     let row = client.query_one(OUTBOX_LAG, &[]).await?;
     Ok((row.get(0), row.get(1)))
+}
+
+// ------------------------------------------------------------- group commit
+
+// Many claims in one statement (and one commit). Each claim and the attempt row it opens
+// commit together: there is never a call without a durable record that it began.
+const CLAIM_MANY: &str = "
+    with c as (
+        update intents
+           set status = 'running', lease_owner = $2,
+               lease_expires_at = now() + make_interval(secs => $3),
+               lease_epoch = lease_epoch + 1, updated_at = now()
+         where id = any($1) and status = 'pending'
+        returning id, idempotency_key, tool, run_id, step, business_id, args, action_event_id,
+                  traceparent, coalesce(event_time, created_at) as started, attempts, lease_epoch,
+                  needs_verify, next_reason
+    ), a as (
+        insert into attempts (intent_id, idempotency_key, seq, kind, reason, owner, lease_epoch)
+        select c.id, c.idempotency_key,
+               coalesce((select max(seq) from attempts where intent_id = c.id), 0) + 1,
+               case when c.needs_verify then 'verify' else 'call' end,
+               c.next_reason, $2, c.lease_epoch
+          from c
+        returning intent_id, seq
+    )
+    select c.*, a.seq from c join a on a.intent_id = c.id";
+
+/// Claims every pending intent of `ids` at once; the others are missing from the answer.
+pub async fn claim_many(
+    client: &impl GenericClient,
+    ids: &[i64],
+    owner: &str,
+    lease_secs: f64,
+) -> Result<HashMap<i64, Claimed>, DbError> {
+    let rows = client
+        .query(CLAIM_MANY, &[&ids, &owner, &lease_secs])
+        .await?;
+    Ok(rows
+        .iter()
+        .map(|row| {
+            let args: Value = row.get(6);
+            let c = Claimed {
+                id: row.get(0),
+                key: row.get(1),
+                tool: row.get(2),
+                run_id: row.get(3),
+                step: row.get(4),
+                business_id: row.get(5),
+                args: match args {
+                    Value::Object(m) => m,
+                    _ => Map::new(),
+                },
+                action_event_id: row.get(7),
+                traceparent: row.get(8),
+                started: row.get(9),
+                attempts: row.get(10),
+                epoch: row.get(11),
+                needs_verify: row.get(12),
+                reason: row.get(13),
+                seq: row.get(14),
+            };
+            (c.id, c)
+        })
+        .collect())
+}
+
+/// One finished call for [`finish_many`].
+#[derive(Debug, Clone)]
+pub struct Finish {
+    pub id: i64,
+    pub epoch: i64,
+    pub settled: Settled,
+    pub end: Option<AttemptEnd>,
+}
+
+const FINISH_MANY: &str = "
+    update intents i
+       set status = u.status, result = u.result, error = u.error, attempts = i.attempts + u.attempts,
+           status_seq = i.status_seq + 1, lease_owner = null, lease_expires_at = null,
+           needs_verify = false, next_reason = 'first', updated_at = now(), finished_at = now()
+      from unnest($1::int8[], $2::int8[], $3::text[], $4::jsonb[], $5::jsonb[], $6::int4[])
+           as u(id, epoch, status, result, error, attempts)
+     where i.id = u.id and i.lease_epoch = u.epoch and i.status = 'running'
+    returning i.id, i.idempotency_key, i.run_id, i.step, i.tool, i.action_event_id, i.attempts,
+              i.status_seq, i.finished_at, i.traceparent";
+
+const ANSWER_WAITING_MANY: &str = "
+    update deliveries set answered = true
+     where intent_id = any($1) and not answered
+    returning intent_id, action_event_id";
+
+const END_ATTEMPTS_MANY: &str = "
+    update attempts a
+       set ended_at = now(), classification = u.classification, http_status = u.http_status,
+           error = u.error, latency_ms = u.latency_ms
+      from unnest($1::int8[], $2::int4[], $3::text[], $4::int4[], $5::text[], $6::float8[])
+           as u(intent_id, seq, classification, http_status, error, latency_ms)
+     where a.intent_id = u.intent_id and a.seq = u.seq";
+
+/// Records many calls' results in the caller's transaction: the same as [`finish`] for each,
+/// in four statements for all. An item whose claim was lost is `None` and writes nothing.
+pub async fn finish_many(
+    tx: &Transaction<'_>,
+    items: &[Finish],
+    channel: &str,
+) -> Result<Vec<Option<KeyState>>, DbError> {
+    let ids: Vec<i64> = items.iter().map(|f| f.id).collect();
+    let epochs: Vec<i64> = items.iter().map(|f| f.epoch).collect();
+    let statuses: Vec<&str> = items.iter().map(|f| f.settled.status.as_str()).collect();
+    let results: Vec<Option<Value>> = items.iter().map(|f| f.settled.result.clone()).collect();
+    let errors: Vec<Option<Value>> = items
+        .iter()
+        .map(|f| {
+            f.settled
+                .error
+                .as_ref()
+                .map(|e| serde_json::to_value(e).expect("error serializes"))
+        })
+        .collect();
+    let attempts: Vec<i32> = items.iter().map(|f| f.settled.attempts).collect();
+    let rows = tx
+        .query(
+            FINISH_MANY,
+            &[&ids, &epochs, &statuses, &results, &errors, &attempts],
+        )
+        .await?;
+    let mut finished: HashMap<i64, (KeyState, i32, Option<String>)> =
+        HashMap::with_capacity(rows.len());
+    let by_id: HashMap<i64, &Finish> = items.iter().map(|f| (f.id, f)).collect();
+    for row in &rows {
+        let id: i64 = row.get(0);
+        let f = by_id[&id];
+        let state = KeyState {
+            key: row.get(1),
+            run_id: row.get(2),
+            step: row.get(3),
+            tool: row.get(4),
+            status: f.settled.status,
+            result: f.settled.result.clone(),
+            error: f.settled.error.clone(),
+            attempts: row.get(6),
+            first_event_id: row.get(5),
+            at: row.get(8),
+        };
+        finished.insert(id, (state, row.get(7), row.get(9)));
+    }
+    let done: Vec<i64> = finished.keys().copied().collect();
+
+    let ends: Vec<&AttemptEnd> = items
+        .iter()
+        .filter(|f| finished.contains_key(&f.id))
+        .filter_map(|f| f.end.as_ref().map(|_| f))
+        .map(|f| f.end.as_ref().expect("filtered"))
+        .collect();
+    if !ends.is_empty() {
+        let end_ids: Vec<i64> = items
+            .iter()
+            .filter(|f| finished.contains_key(&f.id) && f.end.is_some())
+            .map(|f| f.id)
+            .collect();
+        let seqs: Vec<i32> = ends.iter().map(|e| e.seq).collect();
+        let classes: Vec<&str> = ends.iter().map(|e| e.classification).collect();
+        let statuses: Vec<Option<i32>> = ends.iter().map(|e| e.http_status).collect();
+        let errs: Vec<Option<&str>> = ends.iter().map(|e| e.error.as_deref()).collect();
+        let latencies: Vec<f64> = ends.iter().map(|e| e.latency_ms).collect();
+        tx.execute(
+            END_ATTEMPTS_MANY,
+            &[&end_ids, &seqs, &classes, &statuses, &errs, &latencies],
+        )
+        .await?;
+    }
+
+    let mut outcomes = Vec::with_capacity(done.len() * 2);
+    for (state, seq, traceparent) in finished.values() {
+        outcomes.push(answer::status_change(state, *seq, traceparent.clone()));
+    }
+    if !done.is_empty() {
+        for row in tx.query(ANSWER_WAITING_MANY, &[&done]).await? {
+            let id: i64 = row.get(0);
+            let event_id: String = row.get(1);
+            let (state, _, traceparent) = &finished[&id];
+            if event_id != state.first_event_id {
+                outcomes.push(answer::duplicate(state, &event_id, traceparent.clone()));
+            }
+        }
+    }
+    insert_outbox(tx, &outcomes, channel).await?;
+    Ok(items
+        .iter()
+        .map(|f| finished.remove(&f.id).map(|(s, _, _)| s))
+        .collect())
 }
