@@ -2,7 +2,7 @@
 //! the idempotency literature writes first, on the same Kafka and Postgres, in one run.
 //!
 //! `cargo bench --bench relay -- [--actions N] [--dup 0.1] [--latency-ms 0] [--partitions 6]
-//! [--payload 200] [--concurrency 256] [--naive-actions N] [--modes idem,naive]`
+//! [--payload 200] [--concurrency 256] [--rate 0] [--naive-actions N] [--modes idem,naive]`
 //!
 //! Without `--bench` (as `cargo test --all-targets` runs it) it is a smoke run of a few hundred
 //! actions, so the benchmark keeps working. Each mode runs its relay as a child process, so its
@@ -33,6 +33,8 @@ struct Opts {
     payload: usize,
     concurrency: usize,
     modes: Vec<String>,
+    /// Actions per second to publish at; 0 publishes flat out.
+    rate: usize,
     full: bool,
 }
 
@@ -55,6 +57,7 @@ fn parse() -> Opts {
         partitions: num("--partitions", 6) as i32,
         payload: num("--payload", 200),
         concurrency: num("--concurrency", 256),
+        rate: num("--rate", 0),
         modes: get("--modes").map_or_else(
             || vec!["idem".into(), "naive".into()],
             |m| m.split(',').map(str::to_string).collect(),
@@ -129,12 +132,13 @@ fn check(r: &Report) {
 
 fn print_table(opts: &Opts, reports: &[Report]) {
     println!(
-        "\nworkload: {} dup ratio, {} ms downstream, {} partitions, {} B args, concurrency {}{}",
+        "\nworkload: {} dup ratio, {} ms downstream, {} partitions, {} B args, concurrency {}, rate {}{}",
         opts.dup,
         opts.latency_ms,
         opts.partitions,
         opts.payload,
         opts.concurrency,
+        if opts.rate == 0 { "flat out".to_string() } else { format!("{}/s", opts.rate) },
         if opts.full { "" } else { " (smoke)" }
     );
     println!("| mode | actions | actions/s | ratio to idem | p50 ms | p99 ms | p99.9 ms | relay CPU s | peak RSS MiB | PG commits/action | effects == distinct keys |");
@@ -367,7 +371,17 @@ executor = {{ kind = "http", url = "{url}", timeout = "10s" }}
     let (cpu_before, _) = proc_stats(child.id());
     let started = Instant::now();
     let mut published: HashMap<String, Instant> = HashMap::with_capacity(n);
-    for chunk in events.chunks(1000) {
+    // Flat out, or in 10 ms ticks of rate/100 actions.
+    let chunk_size = if opts.rate == 0 {
+        1000
+    } else {
+        (opts.rate / 100).max(1)
+    };
+    let mut tick = tokio::time::interval(Duration::from_millis(10));
+    for chunk in events.chunks(chunk_size) {
+        if opts.rate > 0 {
+            tick.tick().await;
+        }
         let sends: Vec<_> = chunk
             .iter()
             .map(|(id, e)| {
@@ -388,8 +402,17 @@ executor = {{ kind = "http", url = "{url}", timeout = "10s" }}
                 }
             })
             .collect();
-        futures::future::join_all(sends).await;
+        if opts.rate > 0 {
+            // Keep the pace: acknowledgements are awaited in the background.
+            tokio::spawn(futures::future::join_all(sends));
+        } else {
+            futures::future::join_all(sends).await;
+        }
     }
+    eprintln!(
+        "{mode}: {n} actions published in {:.2}s",
+        started.elapsed().as_secs_f64()
+    );
     let deadline = Instant::now() + Duration::from_secs(if opts.full { 900 } else { 120 });
     let mut peak_rss: f64 = 0.0;
     loop {

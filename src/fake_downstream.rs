@@ -73,6 +73,11 @@ impl FakeDownstream {
         listener: tokio::net::TcpListener,
         shutdown: CancellationToken,
     ) -> std::io::Result<()> {
+        use axum::serve::ListenerExt;
+        // Without TCP_NODELAY, Nagle and delayed ACKs add tens of milliseconds to small answers.
+        let listener = listener.tap_io(|tcp| {
+            let _ = tcp.set_nodelay(true);
+        });
         axum::serve(listener, self.router())
             .with_graceful_shutdown(async move { shutdown.cancelled().await })
             .await

@@ -126,6 +126,10 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Handle
     };
     let admin_stop = stop_background.clone();
     let admin_task = tokio::spawn(async move {
+        use axum::serve::ListenerExt;
+        let listener = listener.tap_io(|tcp| {
+            let _ = tcp.set_nodelay(true);
+        });
         let _ = axum::serve(listener, router)
             .with_graceful_shutdown(async move { admin_stop.cancelled().await })
             .await;

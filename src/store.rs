@@ -358,7 +358,7 @@ pub async fn record_batch(
                 Some(id) => {
                     created.insert(i, *id);
                     result.new_intents.push((*id, a.tool.clone()));
-                    deliveries.push(Some(*id), &a.key, &a.event.id, &a.pos, Origin::First, false);
+                    deliveries.push(Some(*id), &a.key, &a.event.id, &a.pos, Origin::First, true);
                     result.origins.push((a.tool.clone(), Origin::First));
                 }
                 // Another delivery recorded this key first.

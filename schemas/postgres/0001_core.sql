@@ -39,7 +39,6 @@ create table intents (
 
 create unique index intents_key on intents (idempotency_key) where class <> 'read_only';
 create index intents_open on intents (status, updated_at) where status in ('pending', 'running');
-create index intents_run on intents (run_id);
 
 -- Every action message read, with the layer that caused it when it is a repeat.
 create table deliveries (
@@ -53,12 +52,11 @@ create table deliveries (
     origin            text        not null check (origin in
                           ('first', 'redelivery', 'producer_retry', 'replay', 'model_retry', 'conflict', 'dead_letter')),
     received_at       timestamptz not null default now(),
-    -- False while the delivery waits for its key to resolve.
+    -- False while a repeat waits for its key to resolve (the first delivery is answered by the
+    -- key's own outcomes).
     answered          boolean     not null default false
 );
 
--- Not unique: a redelivered record is logged again, as a redelivery.
-create index deliveries_record on deliveries (source_topic, source_partition, source_offset);
 create index deliveries_event on deliveries (action_event_id);
 create index deliveries_waiting on deliveries (intent_id) where not answered;
 create index deliveries_key on deliveries (idempotency_key);
