@@ -26,12 +26,23 @@ pub struct RelayContext {
 
 impl ClientContext for RelayContext {
     fn stats(&self, stats: Statistics) {
-        if let Some(topic) = stats.topics.get(&self.actions_topic) {
-            for (id, p) in &topic.partitions {
-                if *id >= 0 && p.consumer_lag >= 0 {
-                    self.metrics.consumer_lag(*id, p.consumer_lag);
-                }
+        let Some(topic) = stats.topics.get(&self.actions_topic) else {
+            return;
+        };
+        for (id, p) in &topic.partitions {
+            // Only partitions assigned here; librdkafka says -1 where it has no position yet.
+            if *id < 0 || !p.desired {
+                continue;
             }
+            let lag = if p.consumer_lag >= 0 {
+                p.consumer_lag
+            } else if p.hi_offset >= 0 && p.lo_offset >= 0 {
+                // No committed position yet: everything retained is still to be read.
+                p.hi_offset - p.app_offset.max(p.lo_offset)
+            } else {
+                continue;
+            };
+            self.metrics.consumer_lag(*id, lag);
         }
     }
 
