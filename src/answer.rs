@@ -117,7 +117,11 @@ fn data(state: &KeyState, action_event_id: &str, duplicate: bool, note: String) 
 /// The key's own outcome for status change number `seq`, answering its first action event.
 pub fn status_change(state: &KeyState, seq: i32, traceparent: Option<String>) -> Outcome {
     Outcome::new(
-        outcome_id(&state.key, &format!("status:{seq}")),
+        // The first event id keeps read-only intents (one per delivery, same key) apart.
+        outcome_id(
+            &state.key,
+            &format!("status:{}:{seq}", state.first_event_id),
+        ),
         data(state, &state.first_event_id, false, first_note(state)),
         state.at,
         traceparent,

@@ -113,6 +113,9 @@ struct RawRelay {
     lease: String,
     recovery_interval: String,
     outbox_poll_interval: String,
+    max_per_run: Option<u32>,
+    prune_interval: String,
+    tombstone_retention: String,
 }
 
 impl Default for RawRelay {
@@ -127,6 +130,9 @@ impl Default for RawRelay {
             lease: "30s".into(),
             recovery_interval: "2s".into(),
             outbox_poll_interval: "500ms".into(),
+            max_per_run: None,
+            prune_interval: "10m".into(),
+            tombstone_retention: "90d".into(),
         }
     }
 }
@@ -161,6 +167,23 @@ struct RawTool {
     concurrency: Option<usize>,
     #[serde(default)]
     verify: Option<RawVerify>,
+    #[serde(default)]
+    approval: Option<RawApproval>,
+    #[serde(default)]
+    approval_timeout: Option<String>,
+    #[serde(default)]
+    max_per_run: Option<u32>,
+    #[serde(default)]
+    max_reattempts: Option<u32>,
+    #[serde(default)]
+    retention: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum RawApproval {
+    Word(String),
+    Above { field: String, above: f64 },
 }
 
 #[derive(Debug, Deserialize)]
@@ -192,6 +215,8 @@ struct RawExecutor {
     headers: BTreeMap<String, String>,
     #[serde(default)]
     status: Option<RawStatusTable>,
+    #[serde(default)]
+    honors_key: bool,
     // sql
     #[serde(default)]
     statement: Option<String>,
@@ -286,11 +311,35 @@ pub struct RelayConfig {
     pub recovery_interval: Duration,
     /// Fallback when no LISTEN/NOTIFY wake-up arrives.
     pub outbox_poll_interval: Duration,
+    /// Distinct intents one run may record across all tools.
+    pub max_per_run: Option<u32>,
+    /// How often expired keys are pruned.
+    pub prune_interval: Duration,
+    /// How long a pruned key's tombstone keeps a resumed run from executing it again.
+    pub tombstone_retention: Duration,
 }
 
 #[derive(Debug, Clone)]
 pub struct AdminConfig {
     pub listen: SocketAddr,
+    /// Bearer token for the endpoints that change state; from `IDEM_ADMIN_TOKEN` or the file
+    /// named by `IDEM_ADMIN_TOKEN_FILE`, never from the config text. None: those endpoints are off.
+    pub token: Option<String>,
+}
+
+pub const ENV_ADMIN_TOKEN: &str = "IDEM_ADMIN_TOKEN";
+pub const ENV_ADMIN_TOKEN_FILE: &str = "IDEM_ADMIN_TOKEN_FILE";
+
+/// When an intent of a tool waits for a person before it executes.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Approval {
+    None,
+    Required,
+    /// Required when a numeric material field is above a threshold.
+    Above {
+        field: FieldPath,
+        threshold: f64,
+    },
 }
 
 /// How a tool's side effect may be repeated.
@@ -363,6 +412,29 @@ pub struct Tool {
     pub concurrency: usize,
     /// How to look downstream whether an ambiguous call took effect.
     pub verify: Option<Verify>,
+    pub approval: Approval,
+    /// The config said `approval = "none"` in so many words.
+    pub approval_opted_out: bool,
+    /// A pending approval older than this is rejected (`approval_timeout`).
+    pub approval_timeout: Duration,
+    /// Distinct intents of this tool one run may record.
+    pub max_per_run: Option<u32>,
+    /// Failed intents per (run, tool, business id) before new ones are rejected.
+    pub max_reattempts: Option<u32>,
+    /// How long a finished key is kept (while its run is not waiting on anything).
+    pub retention: Duration,
+}
+
+impl Tool {
+    /// The downstream dedupes on `Idempotency-Key` (declared by `honors_key = true`).
+    pub fn honors_key(&self) -> bool {
+        matches!(&self.executor, Executor::Http(h) if h.honors_key)
+    }
+
+    /// A key built only from run, tool, business id and step names no particular effect.
+    pub fn key_too_coarse(&self) -> bool {
+        self.class == ToolClass::Dangerous && self.key.iter().all(|f| !f.0.starts_with("args."))
+    }
 }
 
 /// `GET {url}` with the key: 200 → the effect happened (the body is its result), 404 → it did
@@ -390,6 +462,8 @@ pub struct HttpExecutor {
     pub timeout: Duration,
     pub headers: BTreeMap<String, String>,
     pub status: StatusTable,
+    /// The downstream dedupes on `Idempotency-Key`, so a repeat cannot double the effect.
+    pub honors_key: bool,
 }
 
 /// What an HTTP status means for the effect.
@@ -599,7 +673,13 @@ impl Config {
             lease: duration("relay.lease", &r.lease)?,
             recovery_interval: duration("relay.recovery_interval", &r.recovery_interval)?,
             outbox_poll_interval: duration("relay.outbox_poll_interval", &r.outbox_poll_interval)?,
+            max_per_run: r.max_per_run,
+            prune_interval: duration("relay.prune_interval", &r.prune_interval)?,
+            tombstone_retention: duration("relay.tombstone_retention", &r.tombstone_retention)?,
         };
+        if relay.max_per_run == Some(0) {
+            return Err(invalid("relay.max_per_run", "must be at least 1"));
+        }
         if relay.lease < Duration::from_secs(1) {
             return Err(invalid("relay.lease", "must be at least 1s"));
         }
@@ -642,7 +722,10 @@ impl Config {
                 pool_size: positive("postgres.pool_size", p.pool_size)?,
             },
             relay,
-            admin: AdminConfig { listen },
+            admin: AdminConfig {
+                listen,
+                token: admin_token(&env)?,
+            },
             tools,
         })
     }
@@ -650,6 +733,21 @@ impl Config {
     pub fn tool(&self, name: &str) -> Option<&Tool> {
         self.tools.iter().find(|t| t.name == name)
     }
+}
+
+fn admin_token(env: &impl Fn(&str) -> Option<String>) -> Result<Option<String>, ConfigError> {
+    let token = match (env(ENV_ADMIN_TOKEN), env(ENV_ADMIN_TOKEN_FILE)) {
+        (Some(t), _) => t,
+        (None, Some(path)) => std::fs::read_to_string(&path)
+            .map_err(|e| invalid(ENV_ADMIN_TOKEN_FILE, format!("cannot read {path}: {e}")))?
+            .trim()
+            .to_string(),
+        (None, None) => return Ok(None),
+    };
+    if token.len() < 16 {
+        return Err(invalid(ENV_ADMIN_TOKEN, "must be at least 16 characters"));
+    }
+    Ok(Some(token))
 }
 
 fn default_instance_id() -> String {
@@ -788,6 +886,7 @@ fn validate_tool(i: usize, t: RawTool, relay_concurrency: usize) -> Result<Tool,
                 timeout,
                 headers: e.headers,
                 status,
+                honors_key: e.honors_key,
             })
         }
         "sql" => {
@@ -917,6 +1016,58 @@ fn validate_tool(i: usize, t: RawTool, relay_concurrency: usize) -> Result<Tool,
         }
     };
 
+    let (approval, approval_opted_out) = match t.approval {
+        None => {
+            let unverifiable = class == ToolClass::Dangerous
+                && verify.is_none()
+                && matches!(&executor, Executor::Http(h) if !h.honors_key);
+            // Nothing can tell whether a repeat doubled the effect: a person gates it.
+            (if unverifiable { Approval::Required } else { Approval::None }, false)
+        }
+        Some(RawApproval::Word(w)) => match w.as_str() {
+            "required" => (Approval::Required, false),
+            "none" => (Approval::None, true),
+            other => {
+                return Err(invalid(
+                    at("approval"),
+                    format!("`{other}` is not an approval: use \"required\", \"none\" or {{ field = \"args.amount\", above = 100 }}"),
+                ))
+            }
+        },
+        Some(RawApproval::Above { field, above }) => {
+            let field = FieldPath::parse(&at("approval.field"), &field)?;
+            if !material.contains(&field) {
+                return Err(invalid(
+                    at("approval.field"),
+                    format!("`{}` must be one of the tool's material fields, or a reworded request could change it", field.0),
+                ));
+            }
+            (Approval::Above { field, threshold: above }, false)
+        }
+    };
+    let approval_timeout = duration(
+        &at("approval_timeout"),
+        t.approval_timeout.as_deref().unwrap_or("24h"),
+    )?;
+    let retention = duration(&at("retention"), t.retention.as_deref().unwrap_or("7d"))?;
+    if retention < Duration::from_secs(24 * 3600) {
+        return Err(invalid(
+            at("retention"),
+            "must be at least 24h: keys must outlive the longest pause",
+        ));
+    }
+    if retention < approval_timeout {
+        return Err(invalid(
+            at("retention"),
+            format!("is shorter than approval_timeout ({}s): an approved key could be pruned while it waits", approval_timeout.as_secs()),
+        ));
+    }
+    if t.max_per_run == Some(0) {
+        return Err(invalid(at("max_per_run"), "must be at least 1"));
+    }
+    if t.max_reattempts == Some(0) {
+        return Err(invalid(at("max_reattempts"), "must be at least 1"));
+    }
     Ok(Tool {
         name: t.name,
         class,
@@ -926,6 +1077,12 @@ fn validate_tool(i: usize, t: RawTool, relay_concurrency: usize) -> Result<Tool,
         retry,
         concurrency,
         verify,
+        approval,
+        approval_opted_out,
+        approval_timeout,
+        max_per_run: t.max_per_run,
+        max_reattempts: t.max_reattempts,
+        retention,
     })
 }
 

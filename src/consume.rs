@@ -21,6 +21,9 @@ use crate::key;
 use crate::metrics::{Metrics, Origin};
 use crate::store::{self, Incoming, KeyedAction, Position};
 
+/// Dead letters carry the original bytes up to this size (the producer's limit is 1 MB).
+const MAX_DEAD_LETTER_BYTES: usize = 900 * 1024;
+
 pub struct Consume {
     pub config: Arc<Config>,
     pub consumer: Arc<ActionConsumer>,
@@ -91,10 +94,15 @@ impl Consume {
         let result = loop {
             match self.record(&items, &channel).await {
                 Ok(r) => break r,
+                // Nothing recorded, so no offset moves: the next relay re-reads this batch.
+                Err(_) if shutdown.is_cancelled() => return,
+                Err(e) if !e.is_transient() && items.len() > 1 => {
+                    // One message the database refuses must not hold the others: record them
+                    // one by one and dead-letter what cannot be recorded.
+                    tracing::warn!(error = %e, "batch refused; recording its messages one by one");
+                    break self.record_singly(batch, &items, &channel, shutdown).await;
+                }
                 Err(e) => {
-                    if shutdown.is_cancelled() && !e.is_transient() {
-                        return;
-                    }
                     tracing::warn!(error = %e, messages = items.len(), "cannot record intents; retrying the batch");
                     tokio::time::sleep(backoff).await;
                     backoff = (backoff * 2).min(Duration::from_secs(5));
@@ -133,6 +141,38 @@ impl Consume {
         for (id, tool) in &result.new_intents {
             self.executor.dispatch(*id, tool).await;
         }
+    }
+
+    async fn record_singly(
+        &self,
+        batch: &[BorrowedMessage<'_>],
+        items: &[Incoming],
+        channel: &str,
+        shutdown: &CancellationToken,
+    ) -> store::BatchResult {
+        let mut all = store::BatchResult::default();
+        for (m, item) in batch.iter().zip(items) {
+            let mut backoff = Duration::from_millis(50);
+            let r = loop {
+                match self.record(std::slice::from_ref(item), channel).await {
+                    Ok(r) => break Some(r),
+                    Err(e) if e.is_transient() && !shutdown.is_cancelled() => {
+                        tokio::time::sleep(backoff).await;
+                        backoff = (backoff * 2).min(Duration::from_secs(5));
+                    }
+                    Err(e) => {
+                        self.dead_letter(m, "unrecordable", &e.to_string()).await;
+                        break None;
+                    }
+                }
+            };
+            if let Some(r) = r {
+                all.new_intents.extend(r.new_intents);
+                all.origins.extend(r.origins);
+                all.answers += r.answers;
+            }
+        }
+        all
     }
 
     async fn record(
@@ -265,13 +305,23 @@ impl Consume {
                 key: "idem-source-offset",
                 value: Some(&offset),
             });
+        // A payload the producer cannot send whole is cut, and the cut is said in a header.
+        let payload = m.payload().unwrap_or_default();
+        let (payload, headers) = if payload.len() > MAX_DEAD_LETTER_BYTES {
+            let h = headers.insert(Header {
+                key: "idem-dlq-truncated",
+                value: Some(&payload.len().to_string()),
+            });
+            (&payload[..MAX_DEAD_LETTER_BYTES], h)
+        } else {
+            (payload, headers)
+        };
         let mut backoff = Duration::from_millis(100);
         loop {
             let mut record: FutureRecord<'_, [u8], [u8]> =
-                FutureRecord::to(&self.config.kafka.dlq_topic).headers(headers.clone());
-            if let Some(p) = m.payload() {
-                record = record.payload(p);
-            }
+                FutureRecord::to(&self.config.kafka.dlq_topic)
+                    .headers(headers.clone())
+                    .payload(payload);
             if let Some(k) = m.key() {
                 record = record.key(k);
             }

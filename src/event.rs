@@ -8,6 +8,8 @@ pub const ACTION_TYPE: &str = "dev.idem.action.v1";
 pub const OUTCOME_TYPE: &str = "dev.idem.outcome.v1";
 pub const OUTCOME_SOURCE: &str = "idem";
 pub const STRUCTURED_CONTENT_TYPE: &str = "application/cloudevents+json";
+/// Longest event id, run id, tool name or business id accepted.
+pub const MAX_ID_BYTES: usize = 255;
 
 /// Why an action message was dead-lettered: the `idem-dlq-reason` header.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -235,8 +237,27 @@ pub fn decode_action(
             format!("type is {ty:?}; expected {ACTION_TYPE:?}"),
         ));
     }
+    if let Some(path) = find_nul(&data, "data") {
+        return Err(fail(
+            DeadLetterReason::SchemaInvalid,
+            format!("{path} contains a NUL character, which cannot be stored"),
+        ));
+    }
     let data: ActionData = serde_json::from_value(data)
         .map_err(|e| fail(DeadLetterReason::SchemaInvalid, format!("data: {e}")))?;
+    for (name, value) in [
+        ("id", Some(id.as_str())),
+        ("data.run_id", Some(data.run_id.as_str())),
+        ("data.tool", Some(data.tool.as_str())),
+        ("data.business_id", data.business_id.as_deref()),
+    ] {
+        if value.is_some_and(|v| v.len() > MAX_ID_BYTES || v.contains('\0')) {
+            return Err(fail(
+                DeadLetterReason::SchemaInvalid,
+                format!("{name} must be at most {MAX_ID_BYTES} bytes, without NUL"),
+            ));
+        }
+    }
     if data.run_id.is_empty() {
         return Err(fail(
             DeadLetterReason::SchemaInvalid,
@@ -288,7 +309,12 @@ fn partial_from(event_id: &str, data: &Value, kafka_key: Option<&[u8]>) -> Optio
                 .and_then(|k| std::str::from_utf8(k).ok())
                 .map(str::to_string)
         })
+        .filter(|k| crate::key::validate_key(k).is_ok())
         .unwrap_or_else(|| run_id.clone());
+    let storable = |s: &str| s.len() <= MAX_ID_BYTES && !s.contains('\0');
+    if !storable(&run_id) || !storable(event_id) {
+        return None;
+    }
     Some(PartialAction {
         event_id: event_id.to_string(),
         run_id,
@@ -296,6 +322,53 @@ fn partial_from(event_id: &str, data: &Value, kafka_key: Option<&[u8]>) -> Optio
         tool: data.get("tool").and_then(Value::as_str).map(str::to_string),
         step: data.get("step").and_then(Value::as_i64),
     })
+}
+
+/// The first string (or object key) holding a NUL, which Postgres cannot store.
+pub fn find_nul(v: &Value, path: &str) -> Option<String> {
+    match v {
+        Value::String(s) if s.contains('\0') => Some(path.to_string()),
+        Value::Array(items) => items
+            .iter()
+            .enumerate()
+            .find_map(|(i, x)| find_nul(x, &format!("{path}[{i}]"))),
+        Value::Object(m) => m.iter().find_map(|(k, x)| {
+            if k.contains('\0') {
+                Some(path.to_string())
+            } else {
+                find_nul(x, &format!("{path}.{k}"))
+            }
+        }),
+        _ => None,
+    }
+}
+
+/// Makes a downstream's answer storable: NUL characters dropped, and a body larger than
+/// `max_bytes` replaced by a note of its size (outcome events must stay publishable).
+pub fn storable_result(v: Value, max_bytes: usize) -> Value {
+    fn strip(v: Value) -> Value {
+        match v {
+            Value::String(s) if s.contains('\0') => Value::String(s.replace('\0', "")),
+            Value::Array(items) => Value::Array(items.into_iter().map(strip).collect()),
+            Value::Object(m) => Value::Object(
+                m.into_iter()
+                    .map(|(k, x)| (k.replace('\0', ""), strip(x)))
+                    .collect(),
+            ),
+            other => other,
+        }
+    }
+    let v = strip(v);
+    let size = serde_json::to_vec(&v).map_or(0, |b| b.len());
+    if size > max_bytes {
+        serde_json::json!({
+            "truncated": true,
+            "bytes": size,
+            "note": format!("the downstream's answer was larger than {max_bytes} bytes and is not kept"),
+        })
+    } else {
+        v
+    }
 }
 
 fn valid_traceparent(t: &str) -> bool {
@@ -487,6 +560,22 @@ mod tests {
             ),
             (
                 structured(json!({"run_id": "r1", "tool": "t", "args": [], "extra": 1})),
+                DeadLetterReason::SchemaInvalid,
+            ),
+            (
+                structured(json!({"run_id": "r1", "tool": "t", "args": {"x": "a\u{0}b"}})),
+                DeadLetterReason::SchemaInvalid,
+            ),
+            (
+                structured(json!({"run_id": "r".repeat(300), "tool": "t", "args": {}})),
+                DeadLetterReason::SchemaInvalid,
+            ),
+            (
+                structured(json!({"run_id": "r1", "tool": "t", "args": {"x": "a\u{0}b"}})),
+                DeadLetterReason::SchemaInvalid,
+            ),
+            (
+                structured(json!({"run_id": "r".repeat(300), "tool": "t", "args": {}})),
                 DeadLetterReason::SchemaInvalid,
             ),
             (vec![b' '; MAX + 1], DeadLetterReason::Oversize),

@@ -51,6 +51,21 @@ fn gone() -> BatchError {
     }
 }
 
+/// Records a group of http outcomes in one transaction.
+async fn finish_group(
+    pool: &Pool,
+    items: &[Finish],
+    channel: &str,
+) -> Result<Vec<Option<KeyState>>, DbError> {
+    let mut client = pool.get().await?;
+    let tx = client.transaction().await?;
+    let states = store::finish_many(&tx, items, channel).await?;
+    crash_point!("before-outcome-commit");
+    tx.commit().await?;
+    crash_point!("after-outcome-commit");
+    Ok(states)
+}
+
 /// Retries transient database trouble with backoff for up to a minute: the intent is durable
 /// and its lease keeps it ours meanwhile; past that, the lease lapses and recovery settles it.
 async fn with_retry<T, F, Fut>(what: &str, f: F) -> Result<T, ExecError>
@@ -86,6 +101,8 @@ pub struct Executor {
     channel: String,
     /// Intents queued or running here, so recovery does not queue them twice.
     local: Mutex<HashSet<i64>>,
+    /// Set at shutdown: queued intents are left pending for the next relay instead of starting.
+    stopping: std::sync::atomic::AtomicBool,
     /// Group commit of claims and of http outcomes.
     claims: Batcher<i64, Result<Option<Claimed>, BatchError>>,
     finishes: Batcher<Finish, Result<Option<KeyState>, BatchError>>,
@@ -134,20 +151,24 @@ impl Executor {
             Batcher::spawn(BATCH, BATCH_WORKERS, move |items: Vec<Finish>| {
                 let (pool, channel) = (pool.clone(), channel.clone());
                 async move {
-                    let n = items.len();
-                    let done = async {
-                        let mut client = pool.get().await?;
-                        let tx = client.transaction().await?;
-                        let states = store::finish_many(&tx, &items, &channel).await?;
-                        crash_point!("before-outcome-commit");
-                        tx.commit().await?;
-                        crash_point!("after-outcome-commit");
-                        Ok::<_, DbError>(states)
-                    }
-                    .await;
-                    match done {
+                    match finish_group(&pool, &items, &channel).await {
                         Ok(states) => states.into_iter().map(Ok).collect(),
-                        Err(e) => vec![Err(BatchError::from(&e)); n],
+                        // One result the database refuses must not fail the others.
+                        Err(e) if !e.is_transient() && items.len() > 1 => {
+                            let mut answers = Vec::with_capacity(items.len());
+                            for item in &items {
+                                answers.push(
+                                    match finish_group(&pool, std::slice::from_ref(item), &channel)
+                                        .await
+                                    {
+                                        Ok(mut states) => Ok(states.pop().flatten()),
+                                        Err(e) => Err(BatchError::from(&e)),
+                                    },
+                                );
+                            }
+                            answers
+                        }
+                        Err(e) => vec![Err(BatchError::from(&e)); items.len()],
                     }
                 }
             })
@@ -166,6 +187,7 @@ impl Executor {
             lease: config.relay.lease,
             channel,
             local: Mutex::new(HashSet::new()),
+            stopping: std::sync::atomic::AtomicBool::new(false),
             tasks: Mutex::new(JoinSet::new()),
         })
     }
@@ -204,6 +226,9 @@ impl Executor {
             .await
             .expect("never closed");
         drop(slot);
+        if self.stopping.load(std::sync::atomic::Ordering::Relaxed) {
+            return; // still pending: the next relay's recovery runs it
+        }
         match self.execute(id).await {
             Ok(()) => {}
             Err(ExecError::Fenced) => {
@@ -517,9 +542,16 @@ impl Executor {
     async fn begin(&self, c: &Claimed, kind: &str, reason: &str) -> Result<i32, ExecError> {
         with_retry("begin attempt", || async {
             let client = self.pool.get().await.map_err(DbError::from)?;
-            store::begin_attempt(&**client, c, kind, reason, &self.owner)
-                .await?
-                .ok_or(ExecError::Fenced)
+            store::begin_attempt(
+                &**client,
+                c,
+                kind,
+                reason,
+                &self.owner,
+                self.lease.as_secs_f64(),
+            )
+            .await?
+            .ok_or(ExecError::Fenced)
         })
         .await
     }
@@ -674,7 +706,16 @@ impl Executor {
             }
         }
         let tx = client.transaction().await?;
-        let orphans = store::orphans(&tx, 2.0, 500).await?;
+        // This relay's own queue is skipped in SQL, so a long local backlog cannot hide a
+        // lapsed claim from the sweep.
+        let local: Vec<i64> = self
+            .local
+            .lock()
+            .expect("not poisoned")
+            .iter()
+            .copied()
+            .collect();
+        let orphans = store::orphans(&tx, 2.0, 500, &local).await?;
         let mut redispatch = Vec::new();
         for o in &orphans {
             if self.local.lock().expect("not poisoned").contains(&o.id) {
@@ -737,6 +778,8 @@ impl Executor {
     /// Waits for queued and running calls, up to `grace`; what is left is aborted and its
     /// lease left to expire, so recovery (here or in another relay) settles it.
     pub async fn drain(&self, grace: Duration) {
+        self.stopping
+            .store(true, std::sync::atomic::Ordering::Relaxed);
         let mut tasks = std::mem::take(&mut *self.tasks.lock().expect("not poisoned"));
         let deadline = tokio::time::Instant::now() + grace;
         loop {
@@ -749,6 +792,8 @@ impl Executor {
                         "shutdown grace over; leaving calls to recovery"
                     );
                     tasks.abort_all();
+                    // Their leases must lapse now, not be renewed while shutdown finishes.
+                    self.local.lock().expect("not poisoned").clear();
                     return;
                 }
             }

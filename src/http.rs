@@ -81,11 +81,15 @@ fn percent_encode(s: &str) -> String {
     out
 }
 
+/// Results are kept and copied into every outcome event of the key: at most this large.
+pub const MAX_RESULT_BYTES: usize = 256 * 1024;
+
 fn body_value(status: u16, bytes: &[u8]) -> Value {
-    match serde_json::from_slice::<Value>(bytes) {
+    let v = match serde_json::from_slice::<Value>(bytes) {
         Ok(v) => v,
         Err(_) => json!({"status": status, "body": String::from_utf8_lossy(bytes)}),
-    }
+    };
+    crate::event::storable_result(v, MAX_RESULT_BYTES)
 }
 
 fn retry_after(headers: &reqwest::header::HeaderMap) -> Option<Duration> {

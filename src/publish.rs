@@ -141,31 +141,38 @@ impl Publisher {
         let results = futures::future::join_all(
             pending
                 .into_iter()
-                .map(|(id, f)| async move { (id, f.await) }),
+                .zip(rows.iter().map(|r| r.id))
+                .map(|((event_id, f), id)| async move { (id, event_id, f.await) }),
         )
         .await;
-        for (event_id, result) in results {
+        // What Kafka acknowledged is marked even when something else failed, so one outcome
+        // that cannot go out does not send the others again and again.
+        let mut acked = Vec::with_capacity(results.len());
+        let mut failed = None;
+        for (id, event_id, result) in results {
             match result {
-                Ok(Ok(_)) => {}
+                Ok(Ok(_)) => acked.push(id),
                 Ok(Err((e, _))) => {
-                    return Err(PublishError::Kafka {
+                    failed.get_or_insert(PublishError::Kafka {
                         event_id,
                         source: e,
-                    })
+                    });
                 }
                 Err(_) => {
-                    return Err(PublishError::Kafka {
+                    failed.get_or_insert(PublishError::Kafka {
                         event_id,
                         source: rdkafka::error::KafkaError::Canceled,
-                    })
+                    });
                 }
             }
         }
         crate::execute::crash_point!("after-publish-before-mark");
-        let ids: Vec<i64> = rows.iter().map(|r| r.id).collect();
-        store::mark_published(&tx, &ids).await?;
+        store::mark_published(&tx, &acked).await?;
         tx.commit().await?;
-        self.metrics.published(topic, rows.len() as u64);
+        self.metrics.published(topic, acked.len() as u64);
+        if let Some(e) = failed {
+            return Err(e);
+        }
         Ok(rows.len())
     }
 }

@@ -565,12 +565,19 @@ pub struct AttemptEnd {
 }
 
 // Fenced like every write of a claim: a relay that lost its lease cannot start another call.
+// An UPDATE, not a read: it waits for a concurrent takeover and re-checks the epoch and the
+// lease after it, so a relay that slept past its lease cannot start another call. It renews the
+// lease for the call it opens.
 const BEGIN_ATTEMPT: &str = "
+    with i as (
+        update intents set lease_expires_at = now() + make_interval(secs => $6)
+         where id = $1 and lease_epoch = $2 and status = 'running' and lease_expires_at > now()
+        returning id, idempotency_key
+    )
     insert into attempts (intent_id, idempotency_key, seq, kind, reason, owner, lease_epoch)
     select i.id, i.idempotency_key,
            coalesce((select max(seq) from attempts where intent_id = i.id), 0) + 1, $3, $4, $5, $2
-      from intents i
-     where i.id = $1 and i.lease_epoch = $2 and i.status = 'running'
+      from i
     returning seq";
 
 const END_ATTEMPT: &str = "
@@ -585,9 +592,13 @@ pub async fn begin_attempt(
     kind: &str,
     reason: &str,
     owner: &str,
+    lease_secs: f64,
 ) -> Result<Option<i32>, DbError> {
     Ok(client
-        .query_opt(BEGIN_ATTEMPT, &[&c.id, &c.epoch, &kind, &reason, &owner])
+        .query_opt(
+            BEGIN_ATTEMPT,
+            &[&c.id, &c.epoch, &kind, &reason, &owner, &lease_secs],
+        )
         .await?
         .map(|r| r.get(0)))
 }
@@ -758,16 +769,24 @@ const SELECT_ORPHANS: &str = "
            exists (select 1 from attempts a
                     where a.intent_id = intents.id and a.kind = 'call' and a.ended_at is null)
       from intents
-     where (status = 'pending' and updated_at < now() - make_interval(secs => $1))
-        or (status = 'running' and lease_expires_at < now())
+     where ((status = 'pending' and updated_at < now() - make_interval(secs => $1))
+            or (status = 'running' and lease_expires_at < now()))
+       and id <> all($3)
      order by id
      limit $2
      for update skip locked";
 
 // A claim that ran out: its open attempts were abandoned mid-way.
+// A claim that ran out: its open attempts were abandoned mid-way, and the calls among them
+// count as made.
 const ABANDON_ATTEMPTS: &str = "
-    update attempts set ended_at = now(), classification = 'abandoned'
-     where intent_id = $1 and ended_at is null";
+    with a as (
+        update attempts set ended_at = now(), classification = 'abandoned'
+         where intent_id = $1 and ended_at is null
+        returning kind
+    )
+    update intents set attempts = attempts + (select count(*) from a where kind = 'call')
+     where id = $1";
 
 const RELEASE: &str = "
     update intents set status = 'pending', lease_owner = null, lease_expires_at = null,
@@ -796,9 +815,10 @@ pub async fn orphans(
     tx: &Transaction<'_>,
     min_pending_age_secs: f64,
     limit: i64,
+    skip: &[i64],
 ) -> Result<Vec<Orphan>, DbError> {
     Ok(tx
-        .query(SELECT_ORPHANS, &[&min_pending_age_secs, &limit])
+        .query(SELECT_ORPHANS, &[&min_pending_age_secs, &limit, &skip])
         .await?
         .iter()
         .map(|r| Orphan {
