@@ -302,6 +302,7 @@ class = "dangerous"
 key = ["run_id", "tool", "business_id"]
 material = ["args.to"]
 executor = {{ kind = "http", url = "{url}", timeout = "10s" }}
+verify = {{ url = "http://{addr}/v1/effects/{{key}}" }}
 "#,
                 brokers = brokers(),
                 partitions = opts.partitions,

@@ -5,10 +5,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use axum::extract::DefaultBodyLimit;
 use axum::extract::{Path, State};
+use axum::http::HeaderMap;
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::routing::get;
+use axum::routing::{get, post};
 use axum::{Json, Router};
 use deadpool_postgres::Pool;
 
@@ -20,7 +22,13 @@ pub struct AdminState {
     pub pool: Pool,
     /// Set once topics exist and the consumer is subscribed; cleared when all brokers are down.
     pub kafka_up: Arc<AtomicBool>,
+    /// Bearer token of the endpoints that change state; None turns them off.
+    pub token: Option<Arc<String>>,
+    pub schema: String,
 }
+
+/// Decisions are small: a larger body is refused before it is read.
+const MAX_BODY_BYTES: usize = 16 * 1024;
 
 pub fn router(state: AdminState) -> Router {
     Router::new()
@@ -28,6 +36,10 @@ pub fn router(state: AdminState) -> Router {
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
         .route("/v1/actions/{key}", get(explain))
+        .route("/v1/actions/{key}/approve", post(approve))
+        .route("/v1/actions/{key}/deny", post(deny))
+        .route("/v1/actions/{key}/resolve", post(resolve))
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(state)
 }
 
@@ -76,5 +88,201 @@ async fn readyz(State(s): State<AdminState>) -> (StatusCode, String) {
         (StatusCode::OK, body)
     } else {
         (StatusCode::SERVICE_UNAVAILABLE, body)
+    }
+}
+
+/// What a person sends with a decision; `by` and `reason` are recorded.
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DecisionBody {
+    by: String,
+    reason: String,
+    /// The material fingerprint the person looked at (from explain); checked when given.
+    #[serde(default)]
+    fingerprint: Option<String>,
+    /// For resolve: `succeeded`, `failed` or `retry`.
+    #[serde(default, rename = "as")]
+    resolution: Option<String>,
+}
+
+/// An admin request refused, as the JSON `{"error": …}` it answers with.
+struct AdminError {
+    status: StatusCode,
+    message: String,
+}
+
+impl IntoResponse for AdminError {
+    fn into_response(self) -> Response {
+        (
+            self.status,
+            Json(serde_json::json!({"error": self.message})),
+        )
+            .into_response()
+    }
+}
+
+fn error(status: StatusCode, message: impl Into<String>) -> AdminError {
+    AdminError {
+        status,
+        message: message.into(),
+    }
+}
+
+/// Equal without an early exit: the time taken does not tell how much of a guess was right.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// Checks the bearer token; the endpoints are off when none is configured.
+fn authorize(s: &AdminState, headers: &HeaderMap) -> Result<(), AdminError> {
+    let Some(token) = &s.token else {
+        return Err(error(
+            StatusCode::FORBIDDEN,
+            "admin actions are off: set IDEM_ADMIN_TOKEN or IDEM_ADMIN_TOKEN_FILE to turn them on",
+        ));
+    };
+    let given = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or("");
+    if constant_time_eq(given.as_bytes(), token.as_bytes()) {
+        Ok(())
+    } else {
+        tracing::warn!("admin request refused: missing or wrong bearer token");
+        Err(error(
+            StatusCode::UNAUTHORIZED,
+            "missing or wrong bearer token",
+        ))
+    }
+}
+
+fn body(bytes: &[u8]) -> Result<DecisionBody, AdminError> {
+    let b: DecisionBody = serde_json::from_slice(bytes).map_err(|e| {
+        error(
+            StatusCode::BAD_REQUEST,
+            format!("body must be {{\"by\": …, \"reason\": …}}: {e}"),
+        )
+    })?;
+    if b.by.trim().is_empty() || b.reason.trim().is_empty() {
+        return Err(error(
+            StatusCode::BAD_REQUEST,
+            "by and reason must not be empty",
+        ));
+    }
+    Ok(b)
+}
+
+async fn decide(
+    s: AdminState,
+    headers: HeaderMap,
+    key: String,
+    bytes: axum::body::Bytes,
+    decision: crate::inspect::Decision,
+) -> Response {
+    if let Err(r) = authorize(&s, &headers) {
+        return r.into_response();
+    }
+    let b = match body(&bytes) {
+        Ok(b) => b,
+        Err(r) => return r.into_response(),
+    };
+    use crate::inspect::DecideError as E;
+    match crate::inspect::decide(
+        &s.pool,
+        &s.schema,
+        &key,
+        decision,
+        &b.by,
+        &b.reason,
+        b.fingerprint.as_deref(),
+    )
+    .await
+    {
+        Ok(()) => (
+            StatusCode::OK,
+            Json(serde_json::json!({"key": key, "decided": true})),
+        )
+            .into_response(),
+        Err(e @ E::NotFound(_)) => error(StatusCode::NOT_FOUND, e.to_string()).into_response(),
+        Err(e @ (E::NotPending { .. } | E::FingerprintMismatch { .. })) => {
+            error(StatusCode::CONFLICT, e.to_string()).into_response()
+        }
+        Err(e @ E::Db(_)) => error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()).into_response(),
+    }
+}
+
+async fn approve(
+    State(s): State<AdminState>,
+    Path(key): Path<String>,
+    headers: HeaderMap,
+    bytes: axum::body::Bytes,
+) -> Response {
+    decide(s, headers, key, bytes, crate::inspect::Decision::Approve).await
+}
+
+async fn deny(
+    State(s): State<AdminState>,
+    Path(key): Path<String>,
+    headers: HeaderMap,
+    bytes: axum::body::Bytes,
+) -> Response {
+    decide(s, headers, key, bytes, crate::inspect::Decision::Deny).await
+}
+
+async fn resolve(
+    State(s): State<AdminState>,
+    Path(key): Path<String>,
+    headers: HeaderMap,
+    bytes: axum::body::Bytes,
+) -> Response {
+    if let Err(r) = authorize(&s, &headers) {
+        return r.into_response();
+    }
+    let b = match body(&bytes) {
+        Ok(b) => b,
+        Err(r) => return r.into_response(),
+    };
+    use crate::inspect::{InspectError as E, Resolution};
+    let how = match b.resolution.as_deref() {
+        Some("succeeded") => Resolution::Succeeded,
+        Some("failed") => Resolution::Failed,
+        Some("retry") => Resolution::Retry,
+        _ => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "\"as\" must be succeeded, failed or retry",
+            )
+            .into_response()
+        }
+    };
+    match crate::inspect::resolve(&s.pool, &s.schema, &key, how, &b.by, &b.reason).await {
+        Ok(()) => (
+            StatusCode::OK,
+            Json(serde_json::json!({"key": key, "resolved": how.as_str()})),
+        )
+            .into_response(),
+        Err(e @ E::NotFound(_)) => error(StatusCode::NOT_FOUND, e.to_string()).into_response(),
+        Err(e @ E::NotParked { .. }) => error(StatusCode::CONFLICT, e.to_string()).into_response(),
+        Err(e @ E::Db(_)) => error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()).into_response(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn token_comparison() {
+        assert!(super::constant_time_eq(
+            b"secret-token-123",
+            b"secret-token-123"
+        ));
+        assert!(!super::constant_time_eq(
+            b"secret-token-123",
+            b"secret-token-124"
+        ));
+        assert!(!super::constant_time_eq(b"secret", b"secret-token-123"));
     }
 }

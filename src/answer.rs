@@ -73,7 +73,16 @@ fn first_note(state: &KeyState) -> String {
                 .error
                 .as_ref()
                 .map_or("rejected", |e| e.message.as_str());
-            format!("Rejected: {msg}. Nothing was done.")
+            let next = match state.error.as_ref().map(|e| e.code.as_str()) {
+                Some("run_limit_exceeded") => {
+                    "this run has done all it may with this tool: stop and report"
+                }
+                Some("reattempts_exceeded") => "stop and report to a person",
+                Some("stale_resume") => "do not retry: ask a person whether it is still needed",
+                Some("approval_denied" | "approval_timeout") => "do not retry",
+                _ => "fix the request before sending it again",
+            };
+            format!("Rejected: {msg}. Nothing was done; {next}.")
         }
     }
 }
@@ -168,6 +177,18 @@ pub fn conflict(
         outcome_id(&state.key, &format!("answer:{action_event_id}")),
         d,
         Utc::now(),
+        traceparent,
+    )
+}
+
+/// A new action a gate refused before it was recorded (stale resume, too many reattempts).
+pub fn rejected_gate(state: &KeyState, traceparent: Option<String>) -> Outcome {
+    let mut d = data(state, &state.first_event_id, false, first_note(state));
+    d.result = None;
+    Outcome::new(
+        outcome_id(&state.key, &format!("answer:{}", state.first_event_id)),
+        d,
+        state.at,
         traceparent,
     )
 }

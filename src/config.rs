@@ -1264,6 +1264,79 @@ executor = { kind = "sql", statement = "insert into t values ($1, $2) returning 
     }
 
     #[test]
+    fn unverifiable_dangerous_tools_are_gated_unless_opted_out() {
+        let c = Config::from_toml(MINIMAL_TOOL, no_env).unwrap();
+        assert_eq!(c.tools[0].approval, Approval::Required);
+        assert!(!c.tools[0].approval_opted_out);
+        let opted = format!("{MINIMAL_TOOL}approval = \"none\"\n");
+        let c = Config::from_toml(&opted, no_env).unwrap();
+        assert_eq!(c.tools[0].approval, Approval::None);
+        assert!(c.tools[0].approval_opted_out);
+        let verified =
+            format!("{MINIMAL_TOOL}verify = {{ url = \"http://127.0.0.1:1/{{key}}\" }}\n");
+        assert_eq!(
+            Config::from_toml(&verified, no_env).unwrap().tools[0].approval,
+            Approval::None
+        );
+        let honoring = MINIMAL_TOOL.replace("}", ", honors_key = true }");
+        assert_eq!(
+            Config::from_toml(&honoring, no_env).unwrap().tools[0].approval,
+            Approval::None
+        );
+        assert!(Config::from_toml(MINIMAL_TOOL, no_env).unwrap().tools[0].key_too_coarse());
+    }
+
+    #[test]
+    fn gate_settings_are_checked() {
+        let cases = [
+            (
+                format!("{MINIMAL_TOOL}retention = \"12h\"\n"),
+                "tools[0].retention",
+            ),
+            (
+                format!("{MINIMAL_TOOL}retention = \"2d\"\napproval_timeout = \"3d\"\n"),
+                "tools[0].retention",
+            ),
+            (
+                format!("{MINIMAL_TOOL}approval = {{ field = \"args.amount\", above = 100 }}\n"),
+                "tools[0].approval.field",
+            ),
+            (
+                format!("{MINIMAL_TOOL}approval = \"maybe\"\n"),
+                "tools[0].approval",
+            ),
+            (
+                format!("{MINIMAL_TOOL}max_per_run = 0\n"),
+                "tools[0].max_per_run",
+            ),
+        ];
+        for (text, field) in cases {
+            let e = err(&text);
+            assert!(e.contains(&format!("`{field}`")), "{text:?} gave {e}");
+        }
+        let above = format!("{MINIMAL_TOOL}approval = {{ field = \"args.to\", above = 100 }}\n");
+        assert!(matches!(
+            Config::from_toml(&above, no_env).unwrap().tools[0].approval,
+            Approval::Above { .. }
+        ));
+    }
+
+    #[test]
+    fn admin_token_comes_from_the_environment_only() {
+        let c = Config::from_toml("", |k| {
+            (k == ENV_ADMIN_TOKEN).then(|| "0123456789abcdef".to_string())
+        })
+        .unwrap();
+        assert_eq!(c.admin.token.as_deref(), Some("0123456789abcdef"));
+        let short = Config::from_toml("", |k| (k == ENV_ADMIN_TOKEN).then(|| "short".to_string()));
+        assert!(short.unwrap_err().to_string().contains(ENV_ADMIN_TOKEN));
+        assert!(
+            err("[admin]\ntoken = \"x\"\n").contains("token"),
+            "not accepted from the config text"
+        );
+    }
+
+    #[test]
     fn durations_parse() {
         assert_eq!(parse_duration("250ms"), Some(Duration::from_millis(250)));
         assert_eq!(parse_duration("5s"), Some(Duration::from_secs(5)));

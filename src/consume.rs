@@ -138,6 +138,9 @@ impl Consume {
                 Origin::First | Origin::DeadLetter => {}
             }
         }
+        for (tool, code) in &result.rejections {
+            self.metrics.rejection(tool, code);
+        }
         for (id, tool) in &result.new_intents {
             self.executor.dispatch(*id, tool).await;
         }
@@ -170,6 +173,7 @@ impl Consume {
                 all.new_intents.extend(r.new_intents);
                 all.origins.extend(r.origins);
                 all.answers += r.answers;
+                all.rejections.extend(r.rejections);
             }
         }
         all
@@ -243,7 +247,10 @@ impl Consume {
             };
         };
         match key::derive_key(tool, &event.data) {
-            Ok(k) => Incoming::Action(Box::new(KeyedAction::new(pos, event, tool, k))),
+            Ok(k) => {
+                let gates = store::Gates::of(tool, &event.data, self.config.relay.max_per_run);
+                Incoming::Action(Box::new(KeyedAction::new(pos, event, tool, k, gates)))
+            }
             Err(e) => {
                 let mut p = partial();
                 // An unusable key cannot name the answer; answer under the run id instead.

@@ -18,6 +18,11 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "0002_attempts",
         include_str!("../schemas/postgres/0002_attempts.sql"),
     ),
+    (
+        3,
+        "0003_gates",
+        include_str!("../schemas/postgres/0003_gates.sql"),
+    ),
 ];
 
 #[derive(Debug, thiserror::Error)]

@@ -90,6 +90,7 @@ where
 
 pub struct Executor {
     pool: Pool,
+    config: Arc<Config>,
     tools: HashMap<String, Arc<Tool>>,
     tool_permits: HashMap<String, Arc<Semaphore>>,
     permits: Arc<Semaphore>,
@@ -110,7 +111,7 @@ pub struct Executor {
 }
 
 impl Executor {
-    pub fn new(config: &Config, pool: Pool, metrics: Arc<Metrics>) -> Arc<Self> {
+    pub fn new(config: Arc<Config>, pool: Pool, metrics: Arc<Metrics>) -> Arc<Self> {
         let tools: HashMap<String, Arc<Tool>> = config
             .tools
             .iter()
@@ -174,6 +175,7 @@ impl Executor {
             })
         };
         Arc::new(Executor {
+            config: config.clone(),
             claims,
             finishes,
             pool,
@@ -695,6 +697,10 @@ impl Executor {
     }
 
     pub async fn recover_once(self: &Arc<Self>) -> Result<usize, DbError> {
+        let expired = crate::inspect::expire_approvals(&self.pool, &self.config).await?;
+        if expired > 0 {
+            tracing::info!(expired, "approvals timed out");
+        }
         let mut client = self.pool.get().await?;
         if let Ok(counts) = store::parked_counts(&**client).await {
             for status in ["unknown", "pending_approval"] {

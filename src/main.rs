@@ -100,6 +100,34 @@ enum Command {
         #[arg(long)]
         reason: String,
     },
+    /// Approve a key waiting for approval: it executes once, with the request recorded.
+    Approve {
+        #[arg(long)]
+        config: PathBuf,
+        key: String,
+        #[arg(long, env = "USER")]
+        by: String,
+        #[arg(long, default_value = "approved")]
+        reason: String,
+        /// The material fingerprint you looked at (`idem explain`): refused if it changed.
+        #[arg(long)]
+        fingerprint: Option<String>,
+    },
+    /// Deny a key waiting for approval: it is rejected and never executed.
+    Deny {
+        #[arg(long)]
+        config: PathBuf,
+        key: String,
+        #[arg(long, env = "USER")]
+        by: String,
+        #[arg(long)]
+        reason: String,
+    },
+    /// Delete finished keys past their retention now (the relay also does it periodically).
+    Prune {
+        #[arg(long)]
+        config: PathBuf,
+    },
     /// Run the fake downstream that counts side effects (the example tools point at it).
     FakeDownstream {
         #[arg(long, default_value = "127.0.0.1:8787")]
@@ -254,6 +282,47 @@ async fn main() -> anyhow::Result<()> {
             };
             idem::inspect::resolve(&pool, &config.postgres.schema, &key, how, &by, &reason).await?;
             println!("{key}: resolved as {} by {by}", how.as_str());
+        }
+        Command::Approve {
+            config,
+            key,
+            by,
+            reason,
+            fingerprint,
+        } => {
+            let config = load(&config)?;
+            let pool = idem::db::pool(&config.postgres)?;
+            let d = idem::inspect::Decision::Approve;
+            idem::inspect::decide(
+                &pool,
+                &config.postgres.schema,
+                &key,
+                d,
+                &by,
+                &reason,
+                fingerprint.as_deref(),
+            )
+            .await?;
+            println!("{key}: approved by {by}");
+        }
+        Command::Deny {
+            config,
+            key,
+            by,
+            reason,
+        } => {
+            let config = load(&config)?;
+            let pool = idem::db::pool(&config.postgres)?;
+            let d = idem::inspect::Decision::Deny;
+            idem::inspect::decide(&pool, &config.postgres.schema, &key, d, &by, &reason, None)
+                .await?;
+            println!("{key}: denied by {by}");
+        }
+        Command::Prune { config } => {
+            let config = load(&config)?;
+            let pool = idem::db::pool(&config.postgres)?;
+            let n = idem::inspect::prune(&pool, &config).await?;
+            println!("pruned {n} expired keys (tombstones kept)");
         }
         Command::FakeDownstream { listen, honor_key } => {
             let shutdown = CancellationToken::new();

@@ -61,11 +61,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Handle
     let metrics = Arc::new(Metrics::new());
     let pool = db::pool(&config.postgres)?;
     check_schema(&pool).await?;
-    for tool in &config.tools {
-        if tool.class == ToolClass::Dangerous && matches!(tool.executor, ExecutorKind::Http(_)) {
-            tracing::info!(tool = %tool.name, "dangerous http tool: ambiguous results are parked as unknown, never retried blind");
-        }
-    }
+    warn_about_gates(&config);
 
     if config.kafka.create_topics {
         kafka::ensure_topics(&config.kafka).await?;
@@ -102,9 +98,11 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Handle
         metrics: metrics.clone(),
         pool: pool.clone(),
         kafka_up,
+        token: config.admin.token.clone().map(Arc::new),
+        schema: config.postgres.schema.clone(),
     });
 
-    let executor = Executor::new(&config, pool.clone(), metrics.clone());
+    let executor = Executor::new(config.clone(), pool.clone(), metrics.clone());
     let wake = Arc::new(Notify::new());
     let stop_background = CancellationToken::new();
     let publisher_drained = CancellationToken::new();
@@ -151,6 +149,11 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Handle
             .recover(config.relay.recovery_interval, stop_background.clone()),
     );
     let consume_task = tokio::spawn(consume.run(shutdown.clone()));
+    let prune_task = tokio::spawn(prune_loop(
+        pool.clone(),
+        config.clone(),
+        stop_background.clone(),
+    ));
 
     tracing::info!(
         admin = %admin_addr,
@@ -173,6 +176,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Handle
         let _ = publish_task.await;
         stop_background.cancel();
         let _ = lease_task.await;
+        let _ = prune_task.await;
         let _ = listen_task.await;
         let _ = rdkafka::producer::Producer::flush(&producer, std::time::Duration::from_secs(10));
         drop(consumer);
@@ -184,6 +188,53 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Handle
         metrics,
         done,
     })
+}
+
+/// Start-up warnings for configs that leave a dangerous effect unprotected.
+fn warn_about_gates(config: &Config) {
+    for tool in &config.tools {
+        if tool.class != ToolClass::Dangerous {
+            continue;
+        }
+        let unverifiable = tool.verify.is_none()
+            && !tool.honors_key()
+            && matches!(tool.executor, ExecutorKind::Http(_));
+        if unverifiable && tool.approval_opted_out {
+            tracing::warn!(
+                tool = %tool.name,
+                "approval = \"none\" on a dangerous tool with no verify and a downstream that does not honour the key: an ambiguous call is parked unknown and nothing can tell whether it happened"
+            );
+        } else if unverifiable && tool.approval == crate::config::Approval::Required {
+            tracing::info!(tool = %tool.name, "dangerous tool with no verify: every intent waits for approval (set verify, honors_key or approval = \"none\")");
+        }
+        if tool.key_too_coarse() {
+            let example: Vec<&str> = tool.key.iter().map(|f| f.0.as_str()).collect();
+            tracing::warn!(
+                tool = %tool.name,
+                key = ?example,
+                "key names no field of the intended effect (such as args.template): run:send_email:order_8812 would answer a legitimate \"refund paid\" email with the \"refund approved\" one already sent"
+            );
+        }
+    }
+}
+
+/// Prunes expired keys every `prune_interval`, in every relay (rows are locked SKIP LOCKED).
+async fn prune_loop(
+    pool: deadpool_postgres::Pool,
+    config: Arc<Config>,
+    shutdown: CancellationToken,
+) {
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(config.relay.prune_interval) => {}
+        }
+        match crate::inspect::prune(&pool, &config).await {
+            Ok(0) => {}
+            Ok(n) => tracing::info!(pruned = n, "expired keys pruned; tombstones kept"),
+            Err(e) => tracing::warn!(error = %e, "prune failed"),
+        }
+    }
 }
 
 async fn check_schema(pool: &deadpool_postgres::Pool) -> Result<(), RelayError> {

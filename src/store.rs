@@ -46,10 +46,48 @@ pub struct KeyedAction {
     pub material: Map<String, Value>,
     pub fingerprint: String,
     pub args_hash: String,
+    /// The gates this action must pass before it may execute.
+    pub gates: Gates,
+}
+
+/// Per-action gates, decided from the tool's config when the action is decoded.
+#[derive(Debug, Clone, Default)]
+pub struct Gates {
+    /// Park it `pending_approval` instead of executing.
+    pub approval: bool,
+    /// Distinct intents of this tool per run.
+    pub max_per_run: Option<u32>,
+    /// Distinct intents per run across tools.
+    pub run_cap: Option<u32>,
+    /// Failed intents per (run, tool, business id) before new ones are refused.
+    pub max_reattempts: Option<u32>,
+}
+
+impl Gates {
+    pub fn of(tool: &Tool, data: &crate::event::ActionData, run_cap: Option<u32>) -> Self {
+        let approval = match &tool.approval {
+            crate::config::Approval::None => false,
+            crate::config::Approval::Required => true,
+            crate::config::Approval::Above { field, threshold } => {
+                match key::field(data, field).to_json() {
+                    Value::Number(n) => n.as_f64().is_none_or(|v| v > *threshold),
+                    Value::String(s) => s.parse::<f64>().map_or(true, |v| v > *threshold),
+                    // Absent or not a number: nothing shows it is small enough.
+                    _ => true,
+                }
+            }
+        };
+        Gates {
+            approval,
+            max_per_run: tool.max_per_run,
+            run_cap,
+            max_reattempts: tool.max_reattempts,
+        }
+    }
 }
 
 impl KeyedAction {
-    pub fn new(pos: Position, event: ActionEvent, tool: &Tool, key: String) -> Self {
+    pub fn new(pos: Position, event: ActionEvent, tool: &Tool, key: String, gates: Gates) -> Self {
         let material = key::material(tool, &event.data);
         let fingerprint = key::hash_json(&Value::Object(material.clone()));
         let args_hash = key::hash_json(&Value::Object(event.data.args.clone()));
@@ -62,7 +100,33 @@ impl KeyedAction {
             fingerprint,
             args_hash,
             event,
+            gates,
         }
+    }
+
+    /// The key's state for an outcome decided in the batch itself.
+    fn state(&self, status: OutcomeStatus, error: Option<OutcomeError>) -> KeyState {
+        KeyState {
+            key: self.key.clone(),
+            run_id: self.event.data.run_id.clone(),
+            step: self.event.data.step,
+            tool: self.tool.clone(),
+            status,
+            result: None,
+            error,
+            attempts: 0,
+            first_event_id: self.event.id.clone(),
+            at: Utc::now(),
+        }
+    }
+}
+
+fn gate_error(code: &str, message: String) -> OutcomeError {
+    OutcomeError {
+        code: code.to_string(),
+        message,
+        retryable: false,
+        fields: None,
     }
 }
 
@@ -75,6 +139,8 @@ pub struct BatchResult {
     pub origins: Vec<(String, Origin)>,
     /// How many outcome rows were written.
     pub answers: usize,
+    /// (tool, error code) of the actions a gate refused.
+    pub rejections: Vec<(String, &'static str)>,
 }
 
 const SELECT_SEEN_EVENTS: &str = "
@@ -84,10 +150,11 @@ const SELECT_SEEN_EVENTS: &str = "
 const INSERT_INTENTS: &str = "
     insert into intents (idempotency_key, tool, class, run_id, step, business_id, args, material,
                          fingerprint, args_hash, action_event_id, source_topic, source_partition,
-                         source_offset, traceparent, event_time)
+                         source_offset, traceparent, event_time, status, status_seq)
     select * from unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::int8[], $6::text[],
                          $7::jsonb[], $8::jsonb[], $9::text[], $10::text[], $11::text[], $12::text[],
-                         $13::int4[], $14::int8[], $15::text[], $16::timestamptz[])
+                         $13::int4[], $14::int8[], $15::text[], $16::timestamptz[], $17::text[],
+                         $18::int4[])
     on conflict (idempotency_key) where class <> 'read_only' do nothing
     returning id, idempotency_key, action_event_id";
 
@@ -113,6 +180,33 @@ const INSERT_OUTBOX: &str = "
     on conflict (event_id) do nothing";
 
 const NOTIFY: &str = "select pg_notify($1, '')";
+
+// Keys whose intent was pruned: a run resumed past retention must not execute them as new.
+const TOMBSTONED: &str = "
+    select k from unnest($1::text[]) as k
+     where exists (select 1 from tombstones t
+                    where t.key_hash = encode(sha256(convert_to(k, 'UTF8')), 'hex')
+                      and t.expires_at > now())";
+
+const FAILED_REATTEMPTS: &str = "
+    select i.run_id, i.tool, i.business_id, count(*)
+      from intents i
+      join unnest($1::text[], $2::text[], $3::text[]) as q(run_id, tool, business_id)
+        on i.run_id = q.run_id and i.tool = q.tool and i.business_id = q.business_id
+     where i.status = 'failed'
+     group by 1, 2, 3";
+
+// Counted in the transaction that records the intents: two relays cannot both take the last
+// slot, since the counter row is locked until commit.
+const COUNT_RUN: &str = "
+    insert into run_counts (run_id, tool, n)
+    select * from unnest($1::text[], $2::text[], $3::int4[])
+    on conflict (run_id, tool) do update set n = run_counts.n + excluded.n
+    returning run_id, tool, n";
+
+const REJECT_NEW: &str = "
+    update intents set status = 'rejected', error = $2, finished_at = now(), updated_at = now()
+     where id = $1";
 
 /// The LISTEN/NOTIFY channel of one schema's outbox.
 pub fn outbox_channel(schema: &str) -> String {
@@ -275,16 +369,77 @@ pub async fn record_batch(
         }
     }
 
-    // 2. Insert candidate intents; the unique key index decides who is first.
-    let mut created: HashMap<usize, i64> = HashMap::new();
+    // 2. Gates that refuse a new key before it is recorded: a pruned key coming back (a run
+    //    resumed past retention), and too many failed attempts at the same business action.
+    let action_of = |i: usize| match &items[i] {
+        Incoming::Action(a) => a.as_ref(),
+        Incoming::Rejected { .. } => unreachable!("only actions are inserted"),
+    };
     if !to_insert.is_empty() {
-        let acts: Vec<&KeyedAction> = to_insert
+        let keys: Vec<&str> = to_insert
             .iter()
-            .map(|i| match &items[*i] {
-                Incoming::Action(a) => a.as_ref(),
-                Incoming::Rejected { .. } => unreachable!("only actions are inserted"),
-            })
+            .map(|i| action_of(*i).key.as_str())
             .collect();
+        let stale: HashSet<String> = tx
+            .query(TOMBSTONED, &[&keys])
+            .await?
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        let reattempt_keys: Vec<&KeyedAction> = to_insert
+            .iter()
+            .map(|i| action_of(*i))
+            .filter(|a| a.gates.max_reattempts.is_some() && a.event.data.business_id.is_some())
+            .collect();
+        let mut failed: HashMap<(String, String, String), i64> = HashMap::new();
+        if !reattempt_keys.is_empty() {
+            let runs: Vec<&str> = reattempt_keys
+                .iter()
+                .map(|a| a.event.data.run_id.as_str())
+                .collect();
+            let tools: Vec<&str> = reattempt_keys.iter().map(|a| a.tool.as_str()).collect();
+            let biz: Vec<&str> = reattempt_keys
+                .iter()
+                .map(|a| a.event.data.business_id.as_deref().unwrap_or(""))
+                .collect();
+            for r in tx.query(FAILED_REATTEMPTS, &[&runs, &tools, &biz]).await? {
+                failed.insert((r.get(0), r.get(1), r.get(2)), r.get(3));
+            }
+        }
+        to_insert.retain(|i| {
+            let a = action_of(*i);
+            let refusal = if stale.contains(&a.key) {
+                Some(("stale_resume", format!(
+                    "key {} belongs to an action finished and pruned after its retention; a resumed run cannot execute it again",
+                    a.key
+                )))
+            } else {
+                let tried = a.event.data.business_id.as_ref().and_then(|b| {
+                    failed.get(&(a.event.data.run_id.clone(), a.tool.clone(), b.clone()))
+                });
+                match (a.gates.max_reattempts, tried) {
+                    (Some(max), Some(n)) if *n >= i64::from(max) => Some(("reattempts_exceeded", format!(
+                        "{n} attempts at this {} for {} already failed (the limit is {max}); stop and report instead of trying again",
+                        a.tool,
+                        a.event.data.business_id.as_deref().unwrap_or("")
+                    ))),
+                    _ => None,
+                }
+            };
+            let Some((code, message)) = refusal else { return true };
+            let state = a.state(OutcomeStatus::Rejected, Some(gate_error(code, message)));
+            outbox.push(answer::rejected_gate(&state, a.event.traceparent.clone()));
+            deliveries.push(None, &a.key, &a.event.id, &a.pos, Origin::First, true);
+            result.origins.push((a.tool.clone(), Origin::First));
+            result.rejections.push((a.tool.clone(), code));
+            false
+        });
+    }
+
+    // 3. Insert candidate intents; the unique key index decides who is first. Intents that
+    //    need a person's approval are recorded parked and answered as such.
+    if !to_insert.is_empty() {
+        let acts: Vec<&KeyedAction> = to_insert.iter().map(|i| action_of(*i)).collect();
         let col =
             |f: &dyn Fn(&KeyedAction) -> String| acts.iter().map(|a| f(a)).collect::<Vec<String>>();
         let keys = col(&|a| a.key.clone());
@@ -322,6 +477,18 @@ pub async fn record_batch(
                     .map(|t| t.with_timezone(&Utc))
             })
             .collect();
+        let parked = |a: &KeyedAction| a.gates.approval && a.class != ToolClass::ReadOnly;
+        let statuses: Vec<&str> = acts
+            .iter()
+            .map(|a| {
+                if parked(a) {
+                    "pending_approval"
+                } else {
+                    "pending"
+                }
+            })
+            .collect();
+        let seqs: Vec<i32> = acts.iter().map(|a| i32::from(parked(a))).collect();
         let rows = tx
             .query(
                 INSERT_INTENTS,
@@ -342,6 +509,8 @@ pub async fn record_batch(
                     &offsets,
                     &traces,
                     &times,
+                    &statuses,
+                    &seqs,
                 ],
             )
             .await?;
@@ -350,24 +519,53 @@ pub async fn record_batch(
             .iter()
             .map(|r| (r.get::<_, String>(2), r.get::<_, i64>(0)))
             .collect();
-        for i in to_insert {
-            let Incoming::Action(a) = &items[i] else {
-                continue;
-            };
+        let mut recorded: Vec<(&KeyedAction, i64)> = Vec::new();
+        for i in &to_insert {
+            let a = action_of(*i);
             match by_event.get(&a.event.id) {
                 Some(id) => {
-                    created.insert(i, *id);
-                    result.new_intents.push((*id, a.tool.clone()));
                     deliveries.push(Some(*id), &a.key, &a.event.id, &a.pos, Origin::First, true);
                     result.origins.push((a.tool.clone(), Origin::First));
+                    recorded.push((a, *id));
                 }
                 // Another delivery recorded this key first.
-                None => pending.push((i, Origin::Replay)),
+                None => pending.push((*i, Origin::Replay)),
+            }
+        }
+
+        // 4. Per-run limits, counted with the insert: the N+1-th distinct intent is refused.
+        let over = count_runs(tx, &recorded).await?;
+        for (a, id) in recorded {
+            if let Some(message) = over.get(&id) {
+                let error = gate_error("run_limit_exceeded", message.clone());
+                tx.execute(
+                    REJECT_NEW,
+                    &[&id, &serde_json::to_value(&error).expect("serializes")],
+                )
+                .await?;
+                let state = a.state(OutcomeStatus::Rejected, Some(error));
+                outbox.push(answer::status_change(
+                    &state,
+                    1,
+                    a.event.traceparent.clone(),
+                ));
+                result
+                    .rejections
+                    .push((a.tool.clone(), "run_limit_exceeded"));
+            } else if parked(a) {
+                let state = a.state(OutcomeStatus::PendingApproval, None);
+                outbox.push(answer::status_change(
+                    &state,
+                    1,
+                    a.event.traceparent.clone(),
+                ));
+            } else {
+                result.new_intents.push((id, a.tool.clone()));
             }
         }
     }
 
-    // 3. Repeats: compare with the stored key, answer now or wait for it to resolve.
+    // 5. Repeats: compare with the stored key, answer now or wait for it to resolve.
     if !pending.is_empty() {
         let keys: Vec<String> = pending
             .iter()
@@ -482,7 +680,7 @@ pub async fn record_batch(
         }
     }
 
-    // 4. Every delivery, so repeats can be classified and explained later.
+    // 6. Every delivery, so repeats can be classified and explained later.
     if !deliveries.key.is_empty() {
         let d = &deliveries;
         tx.execute(
@@ -500,9 +698,71 @@ pub async fn record_batch(
         )
         .await?;
     }
-    // 5. Immediate answers.
+    // 7. Immediate answers.
     result.answers = insert_outbox(tx, &outbox, channel).await?;
     Ok(result)
+}
+
+/// Counts newly recorded intents against their tool's and their run's limits; returns the ids
+/// over a limit, with the reason.
+async fn count_runs(
+    tx: &Transaction<'_>,
+    recorded: &[(&KeyedAction, i64)],
+) -> Result<HashMap<i64, String>, DbError> {
+    // (run, tool or "*") → (limit, this batch's intents, in order)
+    let mut groups: std::collections::BTreeMap<(String, String), (u32, Vec<i64>)> =
+        Default::default();
+    for (a, id) in recorded {
+        if a.class == ToolClass::ReadOnly {
+            continue;
+        }
+        let run = a.event.data.run_id.clone();
+        if let Some(limit) = a.gates.max_per_run {
+            groups
+                .entry((run.clone(), a.tool.clone()))
+                .or_insert((limit, Vec::new()))
+                .1
+                .push(*id);
+        }
+        if let Some(limit) = a.gates.run_cap {
+            groups
+                .entry((run, "*".to_string()))
+                .or_insert((limit, Vec::new()))
+                .1
+                .push(*id);
+        }
+    }
+    let mut over = HashMap::new();
+    if groups.is_empty() {
+        return Ok(over);
+    }
+    // Sorted (a BTreeMap), so two relays lock the counter rows in the same order.
+    let runs: Vec<&str> = groups.keys().map(|k| k.0.as_str()).collect();
+    let tools: Vec<&str> = groups.keys().map(|k| k.1.as_str()).collect();
+    let adds: Vec<i32> = groups.values().map(|g| g.1.len() as i32).collect();
+    for row in tx.query(COUNT_RUN, &[&runs, &tools, &adds]).await? {
+        let key: (String, String) = (row.get(0), row.get(1));
+        let total: i32 = row.get(2);
+        let (limit, ids) = &groups[&key];
+        let before = total - ids.len() as i32;
+        for (k, id) in ids.iter().enumerate() {
+            let n = before + k as i32 + 1;
+            if n > *limit as i32 {
+                let scope = if key.1 == "*" {
+                    "actions".to_string()
+                } else {
+                    format!("{} actions", key.1)
+                };
+                over.entry(*id).or_insert_with(|| {
+                    format!(
+                        "run {} may record at most {limit} {scope}; this would be number {n}",
+                        key.0
+                    )
+                });
+            }
+        }
+    }
+    Ok(over)
 }
 
 async fn insert_outbox(
@@ -658,7 +918,7 @@ const FINISH_PARKED: &str = "
        set status = $2, result = $3, error = $4, attempts = attempts + $5,
            status_seq = status_seq + 1, lease_epoch = lease_epoch + 1,
            needs_verify = false, next_reason = 'first', updated_at = now(), finished_at = now()
-     where id = $1 and status = 'unknown'
+     where id = $1 and status = $6
     returning idempotency_key, run_id, step, tool, action_event_id, attempts, status_seq,
               finished_at, traceparent";
 
@@ -667,8 +927,9 @@ const FINISH_PARKED: &str = "
 pub enum Guard {
     /// The claim with this epoch still owns the intent.
     Claim(i64),
-    /// The intent is parked `unknown` (a person resolves it).
-    Parked,
+    /// The intent is parked with this status (`unknown`, `pending_approval`) and a person
+    /// decides it.
+    Parked(&'static str),
 }
 
 const ANSWER_WAITING: &str = "
@@ -706,6 +967,10 @@ pub async fn finish(
         .error
         .as_ref()
         .map(|e| serde_json::to_value(e).expect("error serializes"));
+    let parked = match guard {
+        Guard::Parked(status) => status,
+        Guard::Claim(_) => "",
+    };
     if let Guard::Claim(epoch) = guard {
         let item = Finish {
             id,
@@ -728,6 +993,7 @@ pub async fn finish(
                 &settled.result,
                 &error,
                 &settled.attempts,
+                &parked,
             ],
         )
         .await?

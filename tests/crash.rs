@@ -17,7 +17,8 @@ fn email_tool(verify: bool) -> String {
     let verify = if verify {
         r#"verify = { url = "{downstream}/v1/effects/{key}", max_attempts = 5, backoff = "50ms" }"#
     } else {
-        ""
+        // Unverifiable on purpose; without the opt-out every intent would wait for approval.
+        r#"approval = "none""#
     };
     format!(
         r#"

@@ -18,6 +18,8 @@ key = ["run_id", "tool", "business_id"]
 material = ["args.to", "args.template"]
 executor = { kind = "http", url = "{downstream}/v1/send_email", timeout = "1s" }
 retry = { max_attempts = 3, initial_backoff = "10ms", max_backoff = "50ms" }
+# No verify: these tests show what happens when nothing can look downstream.
+approval = "none"
 "#;
 
 fn email(run: &str, business: &str, subject: &str) -> serde_json::Value {

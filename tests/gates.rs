@@ -1,0 +1,416 @@
+//! Gates for what cannot be undone: approvals bound to the request, per-run limits, reattempt
+//! limits, retention with tombstones, and the admin API's token.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{action, Env};
+use idem::config::Config;
+use idem::fake_downstream::Step;
+use idem::inspect::Decision;
+use serde_json::json;
+
+/// A refund with no verify and a downstream that ignores the key: gated by default.
+const REFUND: &str = r#"
+[[tools]]
+name = "refund"
+class = "dangerous"
+key = ["run_id", "tool", "business_id", "args.order_id"]
+material = ["args.order_id", "args.amount"]
+executor = { kind = "http", url = "{downstream}/v1/refund", timeout = "2s" }
+"#;
+
+fn refund(run: &str, order: &str, amount: i64, memo: &str) -> serde_json::Value {
+    json!({"run_id": run, "tool": "refund", "business_id": "ticket-7", "args": {"order_id": order, "amount": amount, "memo": memo}})
+}
+
+async fn pool(env: &Env) -> deadpool_postgres::Pool {
+    let config = Config::from_toml(&env.config_text("", ""), |_| None).unwrap();
+    idem::db::pool(&config.postgres).unwrap()
+}
+
+#[tokio::test]
+async fn approval_gates_execution_and_binds_to_the_request() {
+    let env = Env::new().await;
+    let outcomes = env.outcomes().await;
+    let relay = env.start(env.config(REFUND, "").await).await;
+    let p = env.producer();
+    let key = "r1:refund:ticket-7:o1";
+    p.send(&action("e1", refund("r1", "o1", 40, "sorry"))).await;
+    let parked = outcomes.answer("e1", "pending_approval").await;
+    assert_eq!(
+        parked["data"]["note"],
+        "Waiting for approval; do not retry."
+    );
+    // A reworded repeat waits with it; it cannot ride on a later approval as a new request.
+    p.send(&action("e2", refund("r1", "o1", 40, "so sorry")))
+        .await;
+    let dup = outcomes.answer("e2", "pending_approval").await;
+    assert_eq!(dup["data"]["duplicate"], true);
+    assert_eq!(
+        env.downstream.total_effects(),
+        0,
+        "nothing executes before approval"
+    );
+
+    let pool = pool(&env).await;
+    let explained = common::explain(&env, key).await;
+    let fingerprint = explained["fingerprint"].as_str().unwrap().to_string();
+    let wrong = idem::inspect::decide(
+        &pool,
+        &env.schema,
+        key,
+        Decision::Approve,
+        "ops",
+        "ok",
+        Some("not-it"),
+    )
+    .await;
+    assert!(
+        matches!(
+            wrong,
+            Err(idem::inspect::DecideError::FingerprintMismatch { .. })
+        ),
+        "{wrong:?}"
+    );
+
+    // Async, so the in-process relay keeps running (and releasing its locks) meanwhile.
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args([
+            "approve",
+            "--config",
+            &write_config(&env, REFUND),
+            key,
+            "--by",
+            "ada",
+            "--reason",
+            "customer called",
+            "--fingerprint",
+            &fingerprint,
+        ])
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let done = outcomes.answer("e1", "succeeded").await;
+    assert_eq!(done["data"]["duplicate"], false);
+    assert_eq!(env.downstream.effects(key), 1);
+    let e = common::explain(&env, key).await;
+    assert_eq!(e["approvals"][0]["decision"], "approved");
+    assert_eq!(e["approvals"][0]["by"], "ada");
+    assert_eq!(e["approvals"][0]["fingerprint"], fingerprint.as_str());
+
+    // Deny: rejected, never executed.
+    p.send(&action("e3", refund("r1", "o2", 900, "full refund")))
+        .await;
+    outcomes.answer("e3", "pending_approval").await;
+    idem::inspect::decide(
+        &pool,
+        &env.schema,
+        "r1:refund:ticket-7:o2",
+        Decision::Deny,
+        "ada",
+        "too much",
+        None,
+    )
+    .await
+    .unwrap();
+    let denied = outcomes.answer("e3", "rejected").await;
+    assert_eq!(denied["data"]["error"]["code"], "approval_denied");
+    assert_eq!(env.downstream.effects("r1:refund:ticket-7:o2"), 0);
+    relay.stop().await;
+}
+
+fn write_config(env: &Env, tools: &str) -> String {
+    let path = std::env::temp_dir().join(format!("{}.toml", env.schema));
+    std::fs::write(&path, env.config_text(tools, "")).unwrap();
+    path.to_str().unwrap().to_string()
+}
+
+#[tokio::test]
+async fn racing_decisions_end_with_one_decision_and_at_most_one_effect() {
+    let env = Env::new().await;
+    let outcomes = env.outcomes().await;
+    let config = env.config(REFUND, "").await;
+    let p = env.producer();
+    // No relay yet: the decisions race each other, then "the relay crashed right after the
+    // approval" is the same as one starting now.
+    let relay = env.start(config.clone()).await;
+    for i in 0..2 {
+        p.send(&action(
+            &format!("e{i}"),
+            refund("r2", &format!("o{i}"), 10, "x"),
+        ))
+        .await;
+        outcomes.answer(&format!("e{i}"), "pending_approval").await;
+    }
+    relay.stop().await;
+    let pool = pool(&env).await;
+    let twice = futures::future::join_all((0..4).map(|_| {
+        idem::inspect::decide(
+            &pool,
+            &env.schema,
+            "r2:refund:ticket-7:o0",
+            Decision::Approve,
+            "ops",
+            "double click",
+            None,
+        )
+    }))
+    .await;
+    assert_eq!(twice.iter().filter(|r| r.is_ok()).count(), 1, "{twice:?}");
+    let (a, b) = tokio::join!(
+        idem::inspect::decide(
+            &pool,
+            &env.schema,
+            "r2:refund:ticket-7:o1",
+            Decision::Approve,
+            "ann",
+            "yes",
+            None
+        ),
+        idem::inspect::decide(
+            &pool,
+            &env.schema,
+            "r2:refund:ticket-7:o1",
+            Decision::Deny,
+            "bob",
+            "no",
+            None
+        ),
+    );
+    assert!(
+        a.is_ok() != b.is_ok(),
+        "exactly one decision wins: {a:?} {b:?}"
+    );
+
+    let relay = env.start(config).await;
+    outcomes.answer("e0", "succeeded").await;
+    let o1 = if a.is_ok() {
+        outcomes.answer("e1", "succeeded").await
+    } else {
+        outcomes.answer("e1", "rejected").await
+    };
+    assert_eq!(env.downstream.effects("r2:refund:ticket-7:o0"), 1);
+    assert_eq!(
+        env.downstream.effects("r2:refund:ticket-7:o1"),
+        u64::from(a.is_ok()),
+        "{o1}"
+    );
+    let e = common::explain(&env, "r2:refund:ticket-7:o0").await;
+    assert_eq!(e["approvals"].as_array().unwrap().len(), 1);
+    relay.stop().await;
+}
+
+const LIMITED: &str = r#"
+[[tools]]
+name = "send_sms"
+class = "dangerous"
+key = ["run_id", "tool", "args.text"]
+material = ["args.to"]
+executor = { kind = "http", url = "{downstream}/v1/send_sms", timeout = "2s" }
+verify = { url = "{downstream}/v1/effects/{key}" }
+max_per_run = 3
+max_reattempts = 2
+"#;
+
+#[tokio::test]
+async fn the_run_limit_refuses_exactly_the_n_plus_first_under_concurrent_arrival() {
+    let env = Env::new().await;
+    let outcomes = env.outcomes().await;
+    let config = env.config(LIMITED, "").await;
+    // Two relays in one group: the intents of one run arrive on different partitions at once.
+    let a = env.start(config.clone()).await;
+    let b = env.start(config).await;
+    let p = env.producer();
+    let sends = (0..10).map(|i| {
+        let mut e = action(&format!("s{i}"), json!({"run_id": "r3", "tool": "send_sms", "args": {"to": "x", "text": format!("t{i}")}}));
+        e["data"]["idempotency_key"] = json!(format!("r3:sms:{i}"));
+        e
+    });
+    let events: Vec<_> = sends.collect();
+    futures::future::join_all(events.iter().map(|e| p.send(e))).await;
+    let all = outcomes
+        .wait_for("ten answers", Duration::from_secs(60), |v| v.len() >= 10)
+        .await;
+    let ok = all
+        .iter()
+        .filter(|o| o["data"]["status"] == "succeeded")
+        .count();
+    let limited: Vec<_> = all
+        .iter()
+        .filter(|o| o["data"]["error"]["code"] == "run_limit_exceeded")
+        .collect();
+    assert_eq!((ok, limited.len()), (3, 7), "{all:#?}");
+    assert!(limited[0]["data"]["note"]
+        .as_str()
+        .unwrap()
+        .contains("stop and report"));
+    assert_eq!(env.downstream.total_effects(), 3);
+    a.stop().await;
+    b.stop().await;
+}
+
+#[tokio::test]
+async fn failed_reattempts_past_the_limit_are_refused() {
+    let env = Env::new().await;
+    let outcomes = env.outcomes().await;
+    let relay = env.start(env.config(LIMITED, "").await).await;
+    let p = env.producer();
+    for i in 0..3 {
+        let key = format!("r4:sms:{i}");
+        env.downstream.script(
+            Some(&key),
+            vec![Step::Status {
+                status: 422,
+                retry_after: None,
+            }],
+        );
+        let mut e = action(
+            &format!("f{i}"),
+            json!({"run_id": "r4", "tool": "send_sms", "business_id": "appointment-1", "args": {"to": "x", "text": format!("t{i}")}}),
+        );
+        e["data"]["idempotency_key"] = json!(key);
+        p.send(&e).await;
+        if i < 2 {
+            outcomes.answer(&format!("f{i}"), "failed").await;
+        }
+    }
+    let r = outcomes.answer("f2", "rejected").await;
+    assert_eq!(r["data"]["error"]["code"], "reattempts_exceeded");
+    assert_eq!(
+        env.downstream.requests(),
+        2,
+        "the third never went downstream"
+    );
+    relay.stop().await;
+}
+
+#[tokio::test]
+async fn a_pruned_key_resumed_is_stale_and_parked_keys_are_never_pruned() {
+    let env = Env::new().await;
+    let tools = format!(
+        "{REFUND}\n{}",
+        LIMITED.replace("max_per_run = 3\nmax_reattempts = 2\n", "")
+    );
+    let outcomes = env.outcomes().await;
+    let config = env.config(&tools, "").await;
+    let relay = env.start(config.clone()).await;
+    let p = env.producer();
+    let sms = |id: &str, run: &str, text: &str| {
+        action(
+            id,
+            json!({"run_id": run, "tool": "send_sms", "args": {"to": "x", "text": text}}),
+        )
+    };
+    p.send(&sms("done", "r5", "hello")).await;
+    outcomes.answer("done", "succeeded").await;
+    // Same run as a key waiting for approval: the run is paused, its finished keys stay.
+    p.send(&sms("paused-done", "r6", "hi")).await;
+    outcomes.answer("paused-done", "succeeded").await;
+    p.send(&action("paused", refund("r6", "o9", 5, "x"))).await;
+    outcomes.answer("paused", "pending_approval").await;
+
+    let pg = env.pg().await;
+    pg.execute("update intents set finished_at = now() - interval '8 days', created_at = now() - interval '8 days'", &[]).await.unwrap();
+    let pool = pool(&env).await;
+    let pruned = idem::inspect::prune(&pool, &config).await.unwrap();
+    assert_eq!(
+        pruned, 1,
+        "only the finished key of a run that waits on nothing"
+    );
+    let left: Vec<String> = pg
+        .query("select idempotency_key from intents order by 1", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(left, ["r6:refund:ticket-7:o9", "r6:send_sms:hi"]);
+
+    // The run resumes from a checkpoint after the key was pruned: it must not run as new.
+    p.send(&sms("resumed", "r5", "hello")).await;
+    let stale = outcomes.answer("resumed", "rejected").await;
+    assert_eq!(stale["data"]["error"]["code"], "stale_resume");
+    assert_eq!(env.downstream.effects("r5:send_sms:hello"), 1);
+    relay.stop().await;
+}
+
+#[tokio::test]
+async fn admin_actions_need_the_token() {
+    let env = Env::new().await;
+    let token = "s3cret-token-for-tests";
+    let text = env.config_text(REFUND, "");
+    let with_token = Config::from_toml(&text, |k| {
+        (k == idem::config::ENV_ADMIN_TOKEN).then(|| token.to_string())
+    })
+    .unwrap();
+    idem::db::migrate(&with_token.postgres).await.unwrap();
+    let outcomes = env.outcomes().await;
+    let relay = env.start(with_token).await;
+    env.producer()
+        .send(&action("e1", refund("r7", "o1", 5, "x")))
+        .await;
+    outcomes.answer("e1", "pending_approval").await;
+    let key = "r7:refund:ticket-7:o1";
+    let url = format!("http://{}/v1/actions/{key}/approve", relay.admin());
+    let http = reqwest::Client::new();
+    let body = json!({"by": "ada", "reason": "ok"});
+    let none = http.post(&url).json(&body).send().await.unwrap();
+    assert_eq!(none.status(), 401);
+    let wrong = http
+        .post(&url)
+        .bearer_auth("s3cret-token-for-tesTS")
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(wrong.status(), 401);
+    let huge = http
+        .post(&url)
+        .bearer_auth(token)
+        .body(vec![b'x'; 100_000])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(huge.status(), 413, "bodies are bounded");
+    let e = common::explain(&env, key).await;
+    assert_eq!(e["status"], "pending_approval", "nothing changed");
+    assert_eq!(e["approvals"], json!([]));
+    let right = http
+        .post(&url)
+        .bearer_auth(token)
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(right.status(), 200);
+    outcomes.answer("e1", "succeeded").await;
+    assert_eq!(env.downstream.total_effects(), 1);
+    // Reading stays open.
+    assert_eq!(
+        http.get(format!("http://{}/metrics", relay.admin()))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    relay.stop().await;
+
+    // No token configured: the endpoints are off, not open.
+    let relay = env.start(env.config(REFUND, "").await).await;
+    let off = http
+        .post(format!("http://{}/v1/actions/{key}/deny", relay.admin()))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(off.status(), 403);
+    relay.stop().await;
+}
