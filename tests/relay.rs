@@ -512,3 +512,98 @@ async fn sql_executor_is_exactly_once_across_a_kill() {
     let status = child.exited(Duration::from_secs(60)).await;
     assert!(status.success(), "relay exited with {status:?} on SIGTERM");
 }
+
+/// The black-box contract: every outcome idem published in a mixed run validates against
+/// `schemas/outcome-event.schema.json`, and the actions sent validate against the action schema
+/// (checked with Python's `jsonschema`, which this machine kind ships).
+#[tokio::test]
+async fn published_events_match_the_json_schemas() {
+    let env = Env::new().await;
+    let tools = format!(
+        "{EMAIL}\n{}",
+        r#"
+[[tools]]
+name = "refund"
+class = "dangerous"
+key = ["run_id", "tool", "business_id", "args.order_id"]
+material = ["args.order_id"]
+executor = { kind = "http", url = "{downstream}/v1/refund" }
+"#
+    );
+    env.downstream.script(
+        Some("run_9:send_email:t"),
+        vec![idem::fake_downstream::Step::Named(
+            "effect_then_timeout".into(),
+        )],
+    );
+    let outcomes = env.outcomes().await;
+    let relay = env.start(env.config(&tools, "").await).await;
+    let p = env.producer();
+    let mut actions = vec![
+        action("s-ok", email("run_9", "ok", "Hi")),
+        action("s-dup", email("run_9", "ok", "Hi again")),
+        action("s-timeout", email("run_9", "t", "Hi")),
+        action(
+            "s-refund",
+            json!({"run_id": "run_9", "tool": "refund", "business_id": "b", "args": {"order_id": "o1"}}),
+        ),
+        action(
+            "s-unknown-tool",
+            json!({"run_id": "run_9", "tool": "nope", "args": {}}),
+        ),
+    ];
+    let mut conflict = email("run_9", "ok", "Hi");
+    conflict["args"]["to"] = json!("other");
+    actions.push(action("s-conflict", conflict));
+    actions[0]["traceparent"] = json!("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01");
+    actions[0]["time"] = json!("2026-12-02T10:00:00Z");
+    p.send(&actions[0]).await;
+    outcomes.answer("s-ok", "succeeded").await;
+    for a in &actions[1..] {
+        p.send(a).await;
+    }
+    for (id, status) in [
+        ("s-dup", "succeeded"),
+        ("s-timeout", "unknown"),
+        ("s-refund", "pending_approval"),
+        ("s-unknown-tool", "rejected"),
+        ("s-conflict", "rejected"),
+    ] {
+        outcomes.answer(id, status).await;
+    }
+    relay.stop().await;
+
+    let dir = tempfile::tempdir().unwrap();
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("schemas");
+    for (name, events) in [
+        ("outcome-event", outcomes.json()),
+        ("action-event", actions),
+    ] {
+        let file = dir.path().join(format!("{name}.json"));
+        std::fs::write(&file, serde_json::to_vec(&events).unwrap()).unwrap();
+        let script = "import json, sys, jsonschema\n\
+schema = json.load(open(sys.argv[1]))\n\
+events = json.load(open(sys.argv[2]))\n\
+v = jsonschema.Draft202012Validator(schema)\n\
+bad = [(e.get('id'), err.message) for e in events for err in v.iter_errors(e)]\n\
+print(len(events), 'events,', len(bad), 'invalid')\n\
+[print(b) for b in bad]\n\
+sys.exit(1 if bad or not events else 0)\n";
+        let out = tokio::process::Command::new("python3")
+            .args([
+                "-c",
+                script,
+                root.join(format!("{name}.schema.json")).to_str().unwrap(),
+                file.to_str().unwrap(),
+            ])
+            .output()
+            .await
+            .expect("python3 runs");
+        assert!(
+            out.status.success(),
+            "{name}: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
