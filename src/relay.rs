@@ -35,6 +35,9 @@ pub enum RelayError {
     Schema { found: i32, needed: i32 },
 }
 
+/// Outbox publishing rounds in flight at once.
+const PUBLISHERS: usize = 2;
+
 /// A started relay: where its admin listener is, and its metrics.
 pub struct Handle {
     pub admin_addr: std::net::SocketAddr,
@@ -115,13 +118,6 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Handle
         executor: executor.clone(),
         metrics: metrics.clone(),
     };
-    let publisher = Publisher {
-        config: config.clone(),
-        pool: pool.clone(),
-        producer: producer.clone(),
-        metrics: metrics.clone(),
-        wake: wake.clone(),
-    };
     let admin_stop = stop_background.clone();
     let admin_task = tokio::spawn(async move {
         use axum::serve::ListenerExt;
@@ -134,14 +130,27 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Handle
     });
     let listen_task = tokio::spawn(publish::listen(
         config.clone(),
-        wake,
+        wake.clone(),
         stop_background.clone(),
     ));
-    let publish_task = tokio::spawn(publisher.run(
-        stop_background.clone(),
-        publisher_drained.clone(),
-        config.relay.shutdown_grace,
-    ));
+    // Several rounds in flight (SKIP LOCKED keeps their rows apart), so an outcome recorded
+    // during one round's wait for Kafka's acknowledgement does not wait for that round.
+    let publish_tasks: Vec<_> = (0..PUBLISHERS)
+        .map(|_| {
+            let publisher = Publisher {
+                config: config.clone(),
+                pool: pool.clone(),
+                producer: producer.clone(),
+                metrics: metrics.clone(),
+                wake: wake.clone(),
+            };
+            tokio::spawn(publisher.run(
+                stop_background.clone(),
+                publisher_drained.clone(),
+                config.relay.shutdown_grace,
+            ))
+        })
+        .collect();
     let lease_task = tokio::spawn(executor.clone().keep_leases(stop_background.clone()));
     let recovery_task = tokio::spawn(
         executor
@@ -173,7 +182,9 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Handle
         executor.drain(grace).await;
         // Leases are kept until the calls are drained, then publishing gets its last round.
         publisher_drained.cancel();
-        let _ = publish_task.await;
+        for task in publish_tasks {
+            let _ = task.await;
+        }
         stop_background.cancel();
         let _ = lease_task.await;
         let _ = prune_task.await;
