@@ -982,43 +982,24 @@ async fn run_sql(
 fn row_json(row: &tokio_postgres::Row) -> Value {
     use tokio_postgres::types::Type;
     let mut m = serde_json::Map::new();
+    fn get<'a, T>(row: &'a tokio_postgres::Row, i: usize) -> Value
+    where
+        T: tokio_postgres::types::FromSql<'a> + serde::Serialize,
+    {
+        row.try_get::<_, Option<T>>(i)
+            .ok()
+            .flatten()
+            .map_or(Value::Null, |v| json!(v))
+    }
     for (i, col) in row.columns().iter().enumerate() {
-        let t = col.type_();
-        let v = if *t == Type::JSON || *t == Type::JSONB {
-            row.try_get::<_, Option<Value>>(i)
-                .ok()
-                .flatten()
-                .unwrap_or(Value::Null)
-        } else if *t == Type::INT2 {
-            row.try_get::<_, Option<i16>>(i)
-                .ok()
-                .flatten()
-                .map_or(Value::Null, |n| json!(n))
-        } else if *t == Type::INT4 {
-            row.try_get::<_, Option<i32>>(i)
-                .ok()
-                .flatten()
-                .map_or(Value::Null, |n| json!(n))
-        } else if *t == Type::INT8 {
-            row.try_get::<_, Option<i64>>(i)
-                .ok()
-                .flatten()
-                .map_or(Value::Null, |n| json!(n))
-        } else if *t == Type::BOOL {
-            row.try_get::<_, Option<bool>>(i)
-                .ok()
-                .flatten()
-                .map_or(Value::Null, |b| json!(b))
-        } else if *t == Type::FLOAT8 {
-            row.try_get::<_, Option<f64>>(i)
-                .ok()
-                .flatten()
-                .map_or(Value::Null, |n| json!(n))
-        } else {
-            row.try_get::<_, Option<String>>(i)
-                .ok()
-                .flatten()
-                .map_or(Value::Null, Value::String)
+        let v = match *col.type_() {
+            Type::JSON | Type::JSONB => get::<Value>(row, i),
+            Type::INT2 => get::<i16>(row, i),
+            Type::INT4 => get::<i32>(row, i),
+            Type::INT8 => get::<i64>(row, i),
+            Type::BOOL => get::<bool>(row, i),
+            Type::FLOAT8 => get::<f64>(row, i),
+            _ => get::<String>(row, i),
         };
         m.insert(col.name().to_string(), v);
     }

@@ -606,10 +606,15 @@ pub async fn record_batch(
             let Incoming::Action(a) = &items[i] else {
                 continue;
             };
-            if a.class == ToolClass::ReadOnly {
-                // A producer retry of a read-only action: its first delivery is answered.
+            // A producer retry: the first delivery of this event id is answered already. (A
+            // read-only action is here only as one: it is recorded anew on every other delivery.)
+            if hint == Origin::ProducerRetry || a.class == ToolClass::ReadOnly {
+                let intent = existing
+                    .get(&a.key)
+                    .map(|k| k.id)
+                    .filter(|_| a.class != ToolClass::ReadOnly);
                 deliveries.push(
-                    None,
+                    intent,
                     &a.key,
                     &a.event.id,
                     &a.pos,
@@ -624,18 +629,6 @@ pub async fn record_batch(
                 tracing::error!(key = %a.key, "repeat of a key with no stored intent");
                 continue;
             };
-            if hint == Origin::ProducerRetry {
-                deliveries.push(
-                    Some(k.id),
-                    &a.key,
-                    &a.event.id,
-                    &a.pos,
-                    Origin::ProducerRetry,
-                    true,
-                );
-                result.origins.push((a.tool.clone(), Origin::ProducerRetry));
-                continue;
-            }
             if k.fingerprint != a.fingerprint {
                 let fields = key::differing_fields(&k.material, &a.material);
                 deliveries.push(

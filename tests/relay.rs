@@ -495,6 +495,14 @@ async fn sql_executor_is_exactly_once_across_a_kill() {
         .map(|r| (r.get(0), r.get(1)))
         .collect();
     assert_eq!(rows.len(), 250);
+    // The statement's returned row is the result, typed: a bigint stays a number.
+    let answer = outcomes
+        .answers("l-3")
+        .into_iter()
+        .find(|o| o["data"]["status"] == "succeeded")
+        .unwrap();
+    assert!(answer["data"]["result"]["id"].is_i64(), "{answer}");
+    assert_eq!(answer["data"]["result"]["amount"], "13");
     let twice: Vec<_> = rows.iter().filter(|(_, n)| *n != 1).collect();
     assert!(twice.is_empty(), "keys written more than once: {twice:?}");
     let statuses: HashMap<String, i64> = pg
