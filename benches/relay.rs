@@ -2,7 +2,11 @@
 //! the idempotency literature writes first, on the same Kafka and Postgres, in one run.
 //!
 //! `cargo bench --bench relay -- [--actions N] [--dup 0.1] [--latency-ms 0] [--partitions 6]
-//! [--payload 200] [--concurrency 256] [--rate 0] [--naive-actions N] [--modes idem,naive]`
+//! [--payload 200] [--concurrency 256] [--rate 0] [--naive-actions N] [--modes idem,naive,dbos]`
+//!
+//! `dbos` runs `benches/dbos_relay.py` (DBOS Transact's Kafka integration, one workflow per message,
+//! the effect in a child workflow keyed by the idempotency key) with the Python named by
+//! `IDEM_BENCH_PYTHON` (one with `pip install dbos confluent-kafka requests`).
 //!
 //! Without `--bench` (as `cargo test --all-targets` runs it) it is a smoke run of a few hundred
 //! actions, so the benchmark keeps working. Each mode runs its relay as a child process, so its
@@ -110,10 +114,11 @@ fn main() {
         .unwrap();
     let mut reports = Vec::new();
     for mode in &opts.modes {
-        let n = if mode == "naive" {
-            opts.naive_actions
-        } else {
+        // The slow baselines get fewer actions, so a run ends in minutes.
+        let n = if mode == "idem" {
             opts.actions
+        } else {
+            opts.naive_actions
         };
         let r = rt.block_on(run_mode(mode, n, &opts));
         check(&r);
@@ -327,7 +332,18 @@ verify = {{ url = "http://{addr}/v1/effects/{{key}}" }}
                 .spawn()
                 .unwrap()
         }
-        other => panic!("unknown mode {other}: use idem or naive"),
+        "dbos" => {
+            let python = std::env::var("IDEM_BENCH_PYTHON").unwrap_or_else(|_| "python3".into());
+            let spec = json!({"brokers": brokers(), "group": base, "actions": actions, "outcomes": outcomes,
+                              "pg_url": postgres_url(), "url": url});
+            let script =
+                std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/dbos_relay.py");
+            std::process::Command::new(python)
+                .args([script.to_str().unwrap(), &spec.to_string()])
+                .spawn()
+                .expect("a python with dbos, confluent-kafka and requests (IDEM_BENCH_PYTHON)")
+        }
+        other => panic!("unknown mode {other}: use idem, naive or dbos"),
     };
 
     // Collect outcomes from the start of the topic.
