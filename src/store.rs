@@ -159,13 +159,14 @@ const INSERT_INTENTS: &str = "
     returning id, idempotency_key, action_event_id";
 
 // Share locks order this batch against a concurrent finish of the same keys: either the finish
-// commits first and we see its status, or it waits and then sees our waiting deliveries.
+// commits first and we see its status, or it waits and then sees our waiting deliveries. Every
+// statement that locks several intents locks them in id order, so they cannot deadlock.
 const SELECT_KEYS_FOR_SHARE: &str = "
     select id, idempotency_key, material, fingerprint, args_hash, action_event_id, status, result,
            error, attempts, run_id, step, tool, coalesce(finished_at, updated_at)
     from intents
     where idempotency_key = any($1) and class <> 'read_only'
-    order by idempotency_key
+    order by id
     for share";
 
 const INSERT_DELIVERIES: &str = "
@@ -881,7 +882,10 @@ pub async fn end_attempt(
 // recovery takes it over.
 const EXTEND_LEASES: &str = "
     update intents set lease_expires_at = now() + make_interval(secs => $3)
-     where id = any($2) and lease_owner = $1 and status = 'running'";
+     where id in (select id from intents
+                   where id = any($2) and lease_owner = $1 and status = 'running'
+                   order by id
+                   for update)";
 
 /// Keeps this relay's live claims alive while their calls run.
 pub async fn extend_leases(
@@ -1178,7 +1182,9 @@ const CLAIM_MANY: &str = "
            set status = 'running', lease_owner = $2,
                lease_expires_at = now() + make_interval(secs => $3),
                lease_epoch = lease_epoch + 1, updated_at = now()
-         where id = any($1) and status = 'pending'
+         where id in (select id from intents where id = any($1) and status = 'pending'
+                       order by id for update)
+           and status = 'pending'
         returning id, idempotency_key, tool, run_id, step, business_id, args, action_event_id,
                   traceparent, coalesce(event_time, created_at) as started, attempts, lease_epoch,
                   needs_verify, next_reason
@@ -1249,6 +1255,7 @@ const FINISH_MANY: &str = "
       from unnest($1::int8[], $2::int8[], $3::text[], $4::jsonb[], $5::jsonb[], $6::int4[])
            as u(id, epoch, status, result, error, attempts)
      where i.id = u.id and i.lease_epoch = u.epoch and i.status = 'running'
+       and i.id in (select id from intents where id = any($1) order by id for update)
     returning i.id, i.idempotency_key, i.run_id, i.step, i.tool, i.action_event_id, i.attempts,
               i.status_seq, i.finished_at, i.traceparent";
 
