@@ -44,11 +44,20 @@ const QUEUE_PER_PERMIT: usize = 4;
 const BATCH: usize = 256;
 const BATCH_WORKERS: usize = 4;
 
-fn gone() -> BatchError {
-    BatchError {
+/// One request to a group-commit batcher, its failure as the executor's error.
+async fn ask<T: Send + 'static, R: Send + 'static>(
+    batcher: &Batcher<T, Result<R, BatchError>>,
+    request: T,
+) -> Result<R, ExecError> {
+    let gone = || BatchError {
         transient: false,
         message: "executor shut down".into(),
-    }
+    };
+    batcher
+        .call(request)
+        .await
+        .unwrap_or_else(|| Err(gone()))
+        .map_err(ExecError::Batch)
 }
 
 /// Records a group of http outcomes in one transaction.
@@ -250,15 +259,7 @@ impl Executor {
 
     /// Claim (batched with other claims), call, record (batched with other records).
     async fn execute(&self, id: i64) -> Result<(), ExecError> {
-        let Some(claimed) = with_retry("claim", || async {
-            self.claims
-                .call(id)
-                .await
-                .unwrap_or_else(|| Err(gone()))
-                .map_err(ExecError::Batch)
-        })
-        .await?
-        else {
+        let Some(claimed) = with_retry("claim", || ask(&self.claims, id)).await? else {
             return Ok(()); // somebody else has it, or it is already settled
         };
         let span = tracing::info_span!("action", key = %claimed.key, tool = %claimed.tool, run_id = %claimed.run_id);
@@ -580,18 +581,9 @@ impl Executor {
             settled: settled.clone(),
             end,
         };
-        let state = with_retry("record", || {
-            let item = item.clone();
-            async move {
-                self.finishes
-                    .call(item)
-                    .await
-                    .unwrap_or_else(|| Err(gone()))
-                    .map_err(ExecError::Batch)
-            }
-        })
-        .await?
-        .ok_or(ExecError::Fenced)?;
+        let state = with_retry("record", || ask(&self.finishes, item.clone()))
+            .await?
+            .ok_or(ExecError::Fenced)?;
         self.recorded(c, &settled, &state, false);
         Ok(())
     }
