@@ -9,4 +9,10 @@ if ! command -v promtool >/dev/null; then
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null ||
     { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
 fi
+# Each test makes its own schema; drop those earlier runs left, so the database stays small.
+url=${IDEM_TEST_POSTGRES_URL:-postgres://idem:idem@127.0.0.1:5432/idem}
+psql -qAt "$url" -c "select nspname from pg_namespace where nspname ~ '^(t|m|bench_idem|bench_naive)_[0-9a-f]+$'" |
+  while read -r schema; do
+    PGOPTIONS='-c client_min_messages=warning' psql -q "$url" -c "drop schema if exists \"$schema\" cascade"
+  done
 cargo test --locked --all-targets --features failpoints "$@"
