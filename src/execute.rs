@@ -349,27 +349,22 @@ impl Executor {
                     }
                     Verified::NotDone => {
                         self.metrics.verification(&tool.name, "not_done");
-                        self.end(c, AttemptEnd::new(seq, "not_done", status, None, took))
-                            .await?;
+                        let end = AttemptEnd::new(seq, "not_done", status, None, took);
                         if c.attempts + calls >= tool.retry.max_attempts as i32 {
-                            let end = AttemptEnd::new(seq, "not_done", status, None, took);
+                            // The outcome transaction closes this attempt.
                             return Ok((
-                                Settled::new(
-                                    OutcomeStatus::Failed,
-                                    None,
-                                    Some(error(
-                                        "downstream_unavailable",
-                                        format!(
-                                            "not done after {} attempts (verified)",
-                                            c.attempts + calls
-                                        ),
-                                        true,
-                                    )),
+                                Settled::not_done(
+                                    "downstream_unavailable",
+                                    format!(
+                                        "not done after {} attempts (verified)",
+                                        c.attempts + calls
+                                    ),
                                     calls,
                                 ),
                                 end,
                             ));
                         }
+                        self.end(c, end).await?;
                         // Certainly not done: safe to call again.
                         let why = if calls == 0 {
                             reason.as_str()
@@ -475,12 +470,7 @@ impl Executor {
                             c.attempts + calls
                         );
                         return Ok((
-                            Settled::new(
-                                OutcomeStatus::Failed,
-                                None,
-                                Some(error("downstream_unavailable", message, true)),
-                                calls,
-                            ),
+                            Settled::not_done("downstream_unavailable", message, calls),
                             end,
                         ));
                     }
@@ -490,12 +480,7 @@ impl Executor {
                     if spent {
                         let message = format!("{why} (after {} attempts)", c.attempts + calls);
                         return Ok((
-                            Settled::new(
-                                OutcomeStatus::Failed,
-                                None,
-                                Some(error("downstream_unreachable", message, true)),
-                                calls,
-                            ),
+                            Settled::not_done("downstream_unreachable", message, calls),
                             end,
                         ));
                     }
@@ -826,6 +811,16 @@ impl From<tokio_postgres::Error> for ExecError {
 }
 
 impl Settled {
+    /// The effect certainly did not happen and the retry budget is spent: failed, retryable.
+    fn not_done(code: &str, message: String, calls: i32) -> Self {
+        Settled::new(
+            OutcomeStatus::Failed,
+            None,
+            Some(error(code, message, true)),
+            calls,
+        )
+    }
+
     fn new(
         status: OutcomeStatus,
         result: Option<Value>,
