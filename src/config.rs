@@ -431,6 +431,17 @@ impl Tool {
         matches!(&self.executor, Executor::Http(h) if h.honors_key)
     }
 
+    /// Its intents may be claimed in the transaction that records them. A claim whose relay
+    /// dies before the call looks like an interrupted call, which costs nothing here: recovery
+    /// verifies a dangerous http call (it has a verify), rolls back a sql effect, or repeats an
+    /// idempotent call. Only a dangerous http tool without verify would be parked `unknown` by
+    /// it, so that one is claimed just before its call instead.
+    pub fn claims_at_record(&self) -> bool {
+        self.class != ToolClass::Dangerous
+            || self.verify.is_some()
+            || matches!(self.executor, Executor::Sql(_))
+    }
+
     /// A key built only from run, tool, business id and step names no particular effect.
     pub fn key_too_coarse(&self) -> bool {
         self.class == ToolClass::Dangerous && self.key.iter().all(|f| !f.0.starts_with("args."))

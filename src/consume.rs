@@ -141,6 +141,11 @@ impl Consume {
         for (tool, code) in &result.rejections {
             self.metrics.rejection(tool, code);
         }
+        // Claimed ones first into the set whose leases are renewed: their queue may be long.
+        self.executor.hold(result.claimed.iter().map(|c| c.id));
+        for c in result.claimed {
+            self.executor.dispatch_claimed(c).await;
+        }
         for (id, tool) in &result.new_intents {
             self.executor.dispatch(*id, tool).await;
         }
@@ -171,6 +176,7 @@ impl Consume {
             };
             if let Some(r) = r {
                 all.new_intents.extend(r.new_intents);
+                all.claimed.extend(r.claimed);
                 all.origins.extend(r.origins);
                 all.answers += r.answers;
                 all.rejections.extend(r.rejections);
@@ -186,7 +192,11 @@ impl Consume {
     ) -> Result<store::BatchResult, DbError> {
         let mut client = self.pool.get().await?;
         let tx = client.transaction().await?;
-        let r = store::record_batch(&tx, items, channel).await?;
+        let claimant = store::Claimant {
+            owner: &self.config.relay.instance_id,
+            lease_secs: self.config.relay.lease.as_secs_f64(),
+        };
+        let r = store::record_batch(&tx, items, channel, claimant).await?;
         tx.commit().await?;
         Ok(r)
     }

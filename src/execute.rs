@@ -97,6 +97,21 @@ where
     }
 }
 
+/// An intent to execute: recorded and still to be claimed, or claimed when it was recorded.
+enum Work {
+    Pending(i64),
+    Claimed(Box<Claimed>),
+}
+
+impl Work {
+    fn id(&self) -> i64 {
+        match self {
+            Work::Pending(id) => *id,
+            Work::Claimed(c) => c.id,
+        }
+    }
+}
+
 pub struct Executor {
     pool: Pool,
     config: Arc<Config>,
@@ -208,6 +223,23 @@ impl Executor {
         if !self.local.lock().expect("not poisoned").insert(id) {
             return;
         }
+        self.enqueue(Work::Pending(id), tool.to_string()).await;
+    }
+
+    /// Counts intents claimed elsewhere (in the batch that recorded them) as this relay's, so
+    /// their leases are renewed while they wait for [`Executor::dispatch_claimed`].
+    pub fn hold(&self, ids: impl IntoIterator<Item = i64>) {
+        self.local.lock().expect("not poisoned").extend(ids);
+    }
+
+    /// Queues an intent already claimed by this relay (and held), waiting while the queue is
+    /// full.
+    pub async fn dispatch_claimed(self: &Arc<Self>, claimed: Claimed) {
+        let tool = claimed.tool.clone();
+        self.enqueue(Work::Claimed(Box::new(claimed)), tool).await;
+    }
+
+    async fn enqueue(self: &Arc<Self>, work: Work, tool: String) {
         let slot = self
             .queue
             .clone()
@@ -215,17 +247,17 @@ impl Executor {
             .await
             .expect("queue semaphore never closes");
         let this = self.clone();
-        let tool = tool.to_string();
+        let id = work.id();
         let mut tasks = self.tasks.lock().expect("not poisoned");
         // Reap finished tasks so the set stays the size of the work in flight.
         while tasks.try_join_next().is_some() {}
         tasks.spawn(async move {
-            this.run(id, &tool, slot).await;
+            this.run(work, &tool, slot).await;
             this.local.lock().expect("not poisoned").remove(&id);
         });
     }
 
-    async fn run(&self, id: i64, tool: &str, slot: OwnedSemaphorePermit) {
+    async fn run(&self, work: Work, tool: &str, slot: OwnedSemaphorePermit) {
         let tool_permit = match self.tool_permits.get(tool) {
             Some(s) => Some(s.clone().acquire_owned().await.expect("never closed")),
             None => None,
@@ -237,10 +269,18 @@ impl Executor {
             .await
             .expect("never closed");
         drop(slot);
+        let id = work.id();
         if self.stopping.load(std::sync::atomic::Ordering::Relaxed) {
-            return; // still pending: the next relay's recovery runs it
+            // Left for the next relay: a pending one as it is, a claimed one released, since
+            // its call certainly did not start.
+            if let Work::Claimed(c) = &work {
+                if let Err(e) = self.unclaim(c).await {
+                    tracing::warn!(intent = id, error = %e, "cannot release an unstarted claim; recovery will verify it");
+                }
+            }
+            return;
         }
-        match self.execute(id).await {
+        match self.execute(work).await {
             Ok(()) => {}
             Err(ExecError::Fenced) => {
                 tracing::warn!(
@@ -257,10 +297,15 @@ impl Executor {
         drop(tool_permit);
     }
 
-    /// Claim (batched with other claims), call, record (batched with other records).
-    async fn execute(&self, id: i64) -> Result<(), ExecError> {
-        let Some(claimed) = with_retry("claim", || ask(&self.claims, id)).await? else {
-            return Ok(()); // somebody else has it, or it is already settled
+    /// Claim (batched with other claims) unless claimed already, call, record (batched with
+    /// other records).
+    async fn execute(&self, work: Work) -> Result<(), ExecError> {
+        let claimed = match work {
+            Work::Claimed(c) => *c,
+            Work::Pending(id) => match with_retry("claim", || ask(&self.claims, id)).await? {
+                Some(c) => c,
+                None => return Ok(()), // somebody else has it, or it is already settled
+            },
         };
         let span = tracing::info_span!("action", key = %claimed.key, tool = %claimed.tool, run_id = %claimed.run_id);
         let _enter = span.enter();
@@ -544,6 +589,11 @@ impl Executor {
         .await
     }
 
+    async fn unclaim(&self, c: &Claimed) -> Result<(), DbError> {
+        let client = self.pool.get().await?;
+        store::unclaim(&**client, c).await
+    }
+
     async fn end(&self, c: &Claimed, end: AttemptEnd) -> Result<(), ExecError> {
         with_retry("end attempt", || async {
             let client = self.pool.get().await.map_err(DbError::from)?;
@@ -758,11 +808,16 @@ impl Executor {
         Ok(orphans.len())
     }
 
+    /// From now on queued intents are left for the next relay instead of started.
+    pub fn stop_starting(&self) {
+        self.stopping
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+
     /// Waits for queued and running calls, up to `grace`; what is left is aborted and its
     /// lease left to expire, so recovery (here or in another relay) settles it.
     pub async fn drain(&self, grace: Duration) {
-        self.stopping
-            .store(true, std::sync::atomic::Ordering::Relaxed);
+        self.stop_starting();
         let mut tasks = std::mem::take(&mut *self.tasks.lock().expect("not poisoned"));
         let deadline = tokio::time::Instant::now() + grace;
         loop {

@@ -177,6 +177,8 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Handle
     let done = tokio::spawn(async move {
         shutdown.cancelled().await;
         tracing::info!("shutting down: consuming stopped, draining in-flight calls");
+        // Nothing queued starts any more, even while the consumer finishes its batch.
+        executor.stop_starting();
         let _ = consume_task.await;
         recovery_task.abort();
         executor.drain(grace).await;

@@ -48,6 +48,8 @@ pub struct KeyedAction {
     pub args_hash: String,
     /// The gates this action must pass before it may execute.
     pub gates: Gates,
+    /// Claim it in the batch transaction that records it ([`Tool::claims_at_record`]).
+    pub claim_at_record: bool,
 }
 
 /// Per-action gates, decided from the tool's config when the action is decoded.
@@ -101,7 +103,38 @@ impl KeyedAction {
             args_hash,
             event,
             gates,
+            claim_at_record: tool.claims_at_record(),
         }
+    }
+
+    /// The claim [`record_batch`] makes when it records this action claimed.
+    fn claimed(&self, id: i64) -> Claimed {
+        let d = &self.event.data;
+        Claimed {
+            id,
+            key: self.key.clone(),
+            tool: self.tool.clone(),
+            run_id: d.run_id.clone(),
+            step: d.step,
+            business_id: d.business_id.clone(),
+            args: d.args.clone(),
+            action_event_id: self.event.id.clone(),
+            traceparent: self.event.traceparent.clone(),
+            started: self.event_time().unwrap_or_else(Utc::now),
+            attempts: 0,
+            epoch: 1,
+            needs_verify: false,
+            reason: "first".into(),
+            seq: 1,
+        }
+    }
+
+    fn event_time(&self) -> Option<DateTime<Utc>> {
+        self.event
+            .time
+            .as_deref()
+            .and_then(|t| DateTime::parse_from_rfc3339(t).ok())
+            .map(|t| t.with_timezone(&Utc))
     }
 
     /// The key's state for an outcome decided in the batch itself.
@@ -130,11 +163,20 @@ fn gate_error(code: &str, message: String) -> OutcomeError {
     }
 }
 
+/// The relay that claims intents as it records them.
+#[derive(Debug, Clone, Copy)]
+pub struct Claimant<'a> {
+    pub owner: &'a str,
+    pub lease_secs: f64,
+}
+
 /// What a batch transaction decided, for the consumer to act on after commit.
 #[derive(Debug, Default)]
 pub struct BatchResult {
-    /// Intents created by this batch: hand them to the executor.
+    /// Intents created by this batch, to be claimed by the executor.
     pub new_intents: Vec<(i64, String)>,
+    /// Intents created and claimed by this batch, each with its first call's attempt open.
+    pub claimed: Vec<Claimed>,
     /// (tool, origin) of each message, for metrics.
     pub origins: Vec<(String, Origin)>,
     /// How many outcome rows were written.
@@ -147,16 +189,27 @@ const SELECT_SEEN_EVENTS: &str = "
     select action_event_id, source_topic, source_partition, source_offset
     from deliveries where action_event_id = any($1)";
 
+// A row with a lease owner is recorded claimed (`running`, epoch 1); its attempt row follows
+// in the same transaction.
 const INSERT_INTENTS: &str = "
     insert into intents (idempotency_key, tool, class, run_id, step, business_id, args, material,
                          fingerprint, args_hash, action_event_id, source_topic, source_partition,
-                         source_offset, traceparent, event_time, status, status_seq)
-    select * from unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::int8[], $6::text[],
-                         $7::jsonb[], $8::jsonb[], $9::text[], $10::text[], $11::text[], $12::text[],
-                         $13::int4[], $14::int8[], $15::text[], $16::timestamptz[], $17::text[],
-                         $18::int4[])
+                         source_offset, traceparent, event_time, status, status_seq, lease_owner,
+                         lease_expires_at, lease_epoch)
+    select k, t, c, r, s, b, a, m, f, h, e, tp, p, o, tr, tm, st, sq, lo,
+           case when lo is null then null else now() + make_interval(secs => $20) end,
+           case when lo is null then 0 else 1 end
+      from unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::int8[], $6::text[],
+                  $7::jsonb[], $8::jsonb[], $9::text[], $10::text[], $11::text[], $12::text[],
+                  $13::int4[], $14::int8[], $15::text[], $16::timestamptz[], $17::text[],
+                  $18::int4[], $19::text[])
+           as u(k, t, c, r, s, b, a, m, f, h, e, tp, p, o, tr, tm, st, sq, lo)
     on conflict (idempotency_key) where class <> 'read_only' do nothing
     returning id, idempotency_key, action_event_id";
+
+const OPEN_FIRST_CALLS: &str = "
+    insert into attempts (intent_id, idempotency_key, seq, kind, reason, owner, lease_epoch)
+    select id, k, 1, 'call', 'first', $3, 1 from unnest($1::int8[], $2::text[]) as u(id, k)";
 
 // Share locks order this batch against a concurrent finish of the same keys: either the finish
 // commits first and we see its status, or it waits and then sees our waiting deliveries. Every
@@ -206,7 +259,8 @@ const COUNT_RUN: &str = "
     returning run_id, tool, n";
 
 const REJECT_NEW: &str = "
-    update intents set status = 'rejected', error = $2, finished_at = now(), updated_at = now()
+    update intents set status = 'rejected', error = $2, finished_at = now(), updated_at = now(),
+                       lease_owner = null, lease_expires_at = null
      where id = $1";
 
 /// The LISTEN/NOTIFY channel of one schema's outbox.
@@ -268,6 +322,7 @@ pub async fn record_batch(
     tx: &Transaction<'_>,
     items: &[Incoming],
     channel: &str,
+    claimant: Claimant<'_>,
 ) -> Result<BatchResult, DbError> {
     let mut result = BatchResult::default();
     let pos_of = |i: &Incoming| match i {
@@ -468,28 +523,26 @@ pub async fn record_batch(
         let offsets: Vec<i64> = acts.iter().map(|a| a.pos.offset).collect();
         let traces: Vec<Option<String>> =
             acts.iter().map(|a| a.event.traceparent.clone()).collect();
-        let times: Vec<Option<DateTime<Utc>>> = acts
-            .iter()
-            .map(|a| {
-                a.event
-                    .time
-                    .as_deref()
-                    .and_then(|t| DateTime::parse_from_rfc3339(t).ok())
-                    .map(|t| t.with_timezone(&Utc))
-            })
-            .collect();
+        let times: Vec<Option<DateTime<Utc>>> = acts.iter().map(|a| a.event_time()).collect();
         let parked = |a: &KeyedAction| a.gates.approval && a.class != ToolClass::ReadOnly;
+        let claims = |a: &KeyedAction| !parked(a) && a.claim_at_record;
         let statuses: Vec<&str> = acts
             .iter()
             .map(|a| {
                 if parked(a) {
                     "pending_approval"
+                } else if claims(a) {
+                    "running"
                 } else {
                     "pending"
                 }
             })
             .collect();
         let seqs: Vec<i32> = acts.iter().map(|a| i32::from(parked(a))).collect();
+        let owners: Vec<Option<&str>> = acts
+            .iter()
+            .map(|a| claims(a).then_some(claimant.owner))
+            .collect();
         let rows = tx
             .query(
                 INSERT_INTENTS,
@@ -512,6 +565,8 @@ pub async fn record_batch(
                     &times,
                     &statuses,
                     &seqs,
+                    &owners,
+                    &claimant.lease_secs,
                 ],
             )
             .await?;
@@ -560,9 +615,17 @@ pub async fn record_batch(
                     1,
                     a.event.traceparent.clone(),
                 ));
+            } else if claims(a) {
+                result.claimed.push(a.claimed(id));
             } else {
                 result.new_intents.push((id, a.tool.clone()));
             }
+        }
+        if !result.claimed.is_empty() {
+            let ids: Vec<i64> = result.claimed.iter().map(|c| c.id).collect();
+            let keys: Vec<&str> = result.claimed.iter().map(|c| c.key.as_str()).collect();
+            tx.execute(OPEN_FIRST_CALLS, &[&ids, &keys, &claimant.owner])
+                .await?;
         }
     }
 
@@ -857,6 +920,24 @@ pub async fn begin_attempt(
         .map(|r| r.get(0)))
 }
 
+// A claim whose call never started, given back: the attempt it opened is closed as not sent.
+const UNCLAIM: &str = "
+    with i as (
+        update intents set status = 'pending', lease_owner = null, lease_expires_at = null,
+                           lease_epoch = lease_epoch + 1, updated_at = now()
+         where id = $1 and lease_epoch = $2 and status = 'running'
+        returning id
+    )
+    update attempts set ended_at = now(), classification = 'not_sent',
+                        error = 'the relay stopped before this call'
+     where intent_id in (select id from i) and seq = $3";
+
+/// Releases a claim whose call did not start, for another relay to claim.
+pub async fn unclaim(client: &impl GenericClient, c: &Claimed) -> Result<(), DbError> {
+    client.execute(UNCLAIM, &[&c.id, &c.epoch, &c.seq]).await?;
+    Ok(())
+}
+
 pub async fn end_attempt(
     client: &impl GenericClient,
     intent_id: i64,
@@ -881,11 +962,12 @@ pub async fn end_attempt(
 // Only the claims whose calls are still running here: a claim whose task died lapses, and
 // recovery takes it over.
 const EXTEND_LEASES: &str = "
-    update intents set lease_expires_at = now() + make_interval(secs => $3)
-     where id in (select id from intents
-                   where id = any($2) and lease_owner = $1 and status = 'running'
-                   order by id
-                   for update)";
+    with locked as materialized (
+        select id from intents where id = any($2) and lease_owner = $1 order by id for update
+    )
+    update intents i set lease_expires_at = now() + make_interval(secs => $3)
+      from locked l
+     where i.id = l.id and i.lease_owner = $1 and i.status = 'running'";
 
 /// Keeps this relay's live claims alive while their calls run.
 pub async fn extend_leases(
@@ -1177,17 +1259,18 @@ pub async fn outbox_lag(client: &impl GenericClient) -> Result<(i64, f64), DbErr
 // Many claims in one statement (and one commit). Each claim and the attempt row it opens
 // commit together: there is never a call without a durable record that it began.
 const CLAIM_MANY: &str = "
-    with c as (
-        update intents
+    with locked as materialized (
+        select id from intents where id = any($1) order by id for update
+    ), c as (
+        update intents i
            set status = 'running', lease_owner = $2,
                lease_expires_at = now() + make_interval(secs => $3),
-               lease_epoch = lease_epoch + 1, updated_at = now()
-         where id in (select id from intents where id = any($1) and status = 'pending'
-                       order by id for update)
-           and status = 'pending'
-        returning id, idempotency_key, tool, run_id, step, business_id, args, action_event_id,
-                  traceparent, coalesce(event_time, created_at) as started, attempts, lease_epoch,
-                  needs_verify, next_reason
+               lease_epoch = i.lease_epoch + 1, updated_at = now()
+          from locked l
+         where i.id = l.id and i.status = 'pending'
+        returning i.id, i.idempotency_key, i.tool, i.run_id, i.step, i.business_id, i.args,
+                  i.action_event_id, i.traceparent, coalesce(i.event_time, i.created_at) as started,
+                  i.attempts, i.lease_epoch, i.needs_verify, i.next_reason
     ), a as (
         insert into attempts (intent_id, idempotency_key, seq, kind, reason, owner, lease_epoch)
         select c.id, c.idempotency_key,
@@ -1248,14 +1331,17 @@ pub struct Finish {
 }
 
 const FINISH_MANY: &str = "
+    with locked as materialized (
+        select id from intents where id = any($1) order by id for update
+    )
     update intents i
        set status = u.status, result = u.result, error = u.error, attempts = i.attempts + u.attempts,
            status_seq = i.status_seq + 1, lease_owner = null, lease_expires_at = null,
            needs_verify = false, next_reason = 'first', updated_at = now(), finished_at = now()
-      from unnest($1::int8[], $2::int8[], $3::text[], $4::jsonb[], $5::jsonb[], $6::int4[])
+      from locked l,
+           unnest($1::int8[], $2::int8[], $3::text[], $4::jsonb[], $5::jsonb[], $6::int4[])
            as u(id, epoch, status, result, error, attempts)
-     where i.id = u.id and i.lease_epoch = u.epoch and i.status = 'running'
-       and i.id in (select id from intents where id = any($1) order by id for update)
+     where i.id = l.id and u.id = l.id and i.lease_epoch = u.epoch and i.status = 'running'
     returning i.id, i.idempotency_key, i.run_id, i.step, i.tool, i.action_event_id, i.attempts,
               i.status_seq, i.finished_at, i.traceparent";
 

@@ -284,6 +284,85 @@ async fn redelivery_after_a_crash_before_the_offset_commit_executes_once() {
     // The redelivery was recorded before anything could dispatch it, and it is never dispatched.
     assert_eq!(env.downstream.total_effects(), 1);
     assert_eq!(outcomes.answers("e1").len(), 1);
+    // The intent was claimed in the batch that recorded it, so the dead relay's claim looks
+    // like an interrupted call: it is verified (not done) before the one call.
+    let e = common::explain(&env, "r5:send_email:b1").await;
+    assert_eq!(
+        attempts_of(&e),
+        vec![
+            ("call".into(), "first".into(), "abandoned".into()),
+            ("verify".into(), "recovery".into(), "not_done".into()),
+            ("call".into(), "recovery".into(), "succeeded".into()),
+        ]
+    );
+}
+
+/// Intents are claimed in the transaction that records them. A relay stopped while some wait
+/// for a free slot gives those claims back (their calls certainly did not start), so the next
+/// relay calls each once, with no verification and no wait for a lease to lapse.
+#[tokio::test]
+async fn a_stop_gives_back_claims_whose_calls_had_not_started() {
+    let env = Env::new().await;
+    let dir = tempfile::tempdir().unwrap();
+    let tools = email_tool(true)
+        .replace("/v1/send_email\"", "/v1/send_email?delay_ms=2000\"")
+        .replace("timeout = \"1s\"", "timeout = \"10s\"")
+        + "concurrency = 1\n";
+    let config = common::config_file(&env, dir.path(), &tools, "").await;
+    let outcomes = env.outcomes().await;
+    let mut relay = Child::spawn(&config, None, dir.path().join("1.log"));
+    for b in ["b1", "b2", "b3"] {
+        env.producer()
+            .send(&action(&format!("e-{b}"), email("r9", b)))
+            .await;
+    }
+    let pg = env.pg().await;
+    common::eventually(
+        "all three recorded and one call started",
+        Duration::from_secs(30),
+        || async {
+            let n: i64 = pg
+                .query_one("select count(*) from intents", &[])
+                .await
+                .unwrap()
+                .get(0);
+            n == 3 && env.downstream.requests() >= 1
+        },
+    )
+    .await;
+    relay.signal("-TERM");
+    assert!(relay.exited(Duration::from_secs(30)).await.success());
+    // The call in flight at the signal (if the next had started) runs to its end.
+    let ran = env.downstream.total_effects();
+
+    let _relay = Child::spawn(&config, None, dir.path().join("2.log"));
+    for b in ["b1", "b2", "b3"] {
+        outcomes.answer(&format!("e-{b}"), "succeeded").await;
+    }
+    assert_eq!(env.downstream.total_effects(), 3);
+    let mut given_back = 0;
+    for b in ["b1", "b2", "b3"] {
+        let calls = attempts_of(&common::explain(&env, &format!("r9:send_email:{b}")).await);
+        let done = (
+            "call".to_string(),
+            "first".to_string(),
+            "succeeded".to_string(),
+        );
+        if calls.len() == 2 {
+            given_back += 1;
+            assert_eq!(
+                calls,
+                vec![
+                    ("call".into(), "first".into(), "not_sent".into()),
+                    done.clone()
+                ]
+            );
+        } else {
+            assert_eq!(calls, vec![done]);
+        }
+    }
+    assert!(given_back >= 1, "a queued claim was given back");
+    assert_eq!(ran + given_back, 3, "every other claim was given back");
 }
 
 #[tokio::test]

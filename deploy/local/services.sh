@@ -62,6 +62,16 @@ pg_up() {
       log "creating cluster $version/main"
       pg_createcluster "$version" main -p "$pg_port" >/dev/null
     fi
+    # Sized for a service that commits thousands of small transactions a second: fewer
+    # checkpoints (each is followed by full-page writes), more shared buffers than the
+    # default's 128 MB, and statement statistics for profiling. Durability stays as shipped:
+    # fsync and synchronous_commit are on.
+    cat > "/etc/postgresql/$version/main/conf.d/idem.conf" <<'CONF'
+shared_buffers = 1GB
+max_wal_size = 8GB
+checkpoint_timeout = 15min
+shared_preload_libraries = 'pg_stat_statements'
+CONF
     log "starting cluster $version/main"
     pg_ctlcluster "$version" main start
     echo "$version" > "$state/postgres.started"
@@ -78,6 +88,11 @@ pg_up() {
     if [ -z "$(pg_as_superuser -c "select 1 from pg_database where datname = 'idem'")" ]; then
       pg_as_superuser -c "create database idem owner idem"
     fi
+  fi
+  # Statement statistics, for profiling (`select * from pg_stat_statements`).
+  if command -v runuser >/dev/null && id postgres >/dev/null 2>&1 &&
+     [ -z "$(pg_as_superuser -d idem -c "select 1 from pg_extension where extname = 'pg_stat_statements'")" ]; then
+    pg_as_superuser -d idem -c "create extension pg_stat_statements; grant pg_read_all_stats to idem" || true
   fi
   log "postgres ready: postgres://idem:idem@127.0.0.1:$pg_port/idem"
 }
