@@ -225,6 +225,12 @@ async fn pg_commits(client: &tokio_postgres::Client) -> i64 {
         .get(0)
 }
 
+fn unix_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64)
+}
+
 fn proc_stats(pid: u32) -> (f64, f64) {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
     let fields: Vec<&str> = stat
@@ -347,7 +353,9 @@ verify = {{ url = "http://{addr}/v1/effects/{{key}}" }}
     };
 
     // Collect outcomes from the start of the topic.
-    let answered: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
+    // Action event id → when the collector saw its first outcome, and that outcome's Kafka
+    // timestamp (when the relay handed it to its producer).
+    let answered: Arc<Mutex<HashMap<String, (Instant, i64)>>> = Arc::default();
     let consumer: StreamConsumer = ClientConfig::new()
         .set("bootstrap.servers", brokers())
         .set("group.id", format!("{base}.collector"))
@@ -366,7 +374,8 @@ verify = {{ url = "http://{addr}/v1/effects/{{key}}" }}
                     m = consumer.recv() => if let Ok(m) = m {
                         if let Some(v) = m.payload().and_then(|p| serde_json::from_slice::<Value>(p).ok()) {
                             if let Some(id) = v["data"]["action_event_id"].as_str() {
-                                answered.lock().unwrap().entry(id.to_string()).or_insert_with(Instant::now);
+                                let produced = m.timestamp().to_millis().unwrap_or(0);
+                                answered.lock().unwrap().entry(id.to_string()).or_insert_with(|| (Instant::now(), produced));
                             }
                         }
                     }
@@ -378,7 +387,9 @@ verify = {{ url = "http://{addr}/v1/effects/{{key}}" }}
     let (events, distinct) = workload(n, opts.dup, opts.payload);
     let producer: FutureProducer = ClientConfig::new()
         .set("bootstrap.servers", brokers())
-        .set("linger.ms", "5")
+        // Paced, an action waits at most a millisecond in the producer (an agent sends one
+        // call at a time); flat out, the producer batches.
+        .set("linger.ms", if opts.rate > 0 { "1" } else { "5" })
         .set("enable.idempotence", "true")
         .create()
         .unwrap();
@@ -387,7 +398,7 @@ verify = {{ url = "http://{addr}/v1/effects/{{key}}" }}
     let commits_before = pg_commits(&pg).await;
     let (cpu_before, _) = proc_stats(child.id());
     let started = Instant::now();
-    let mut published: HashMap<String, Instant> = HashMap::with_capacity(n);
+    let mut published: HashMap<String, (Instant, i64)> = HashMap::with_capacity(n);
     // Flat out, or in 10 ms ticks of rate/100 actions.
     let chunk_size = if opts.rate == 0 {
         1000
@@ -402,7 +413,7 @@ verify = {{ url = "http://{addr}/v1/effects/{{key}}" }}
         let sends: Vec<_> = chunk
             .iter()
             .map(|(id, e)| {
-                published.insert(id.clone(), Instant::now());
+                published.insert(id.clone(), (Instant::now(), unix_ms()));
                 let payload = serde_json::to_vec(e).unwrap();
                 let key = e["data"]["run_id"].as_str().unwrap().to_string();
                 let producer = producer.clone();
@@ -447,19 +458,42 @@ verify = {{ url = "http://{addr}/v1/effects/{{key}}" }}
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let finished = answered.lock().unwrap().values().max().copied().unwrap();
+    let finished = answered
+        .lock()
+        .unwrap()
+        .values()
+        .map(|(t, _)| *t)
+        .max()
+        .unwrap();
     let seconds = finished.duration_since(started).as_secs_f64();
     let (cpu_after, hwm) = proc_stats(child.id());
     let commits = pg_commits(&pg).await - commits_before;
-    let mut latencies: Vec<f64> = {
+    // End to end (send → outcome seen), and its first part: send → outcome produced by the
+    // relay (the outcome's Kafka timestamp, millisecond resolution).
+    let (mut latencies, mut to_produced): (Vec<f64>, Vec<f64>) = {
         let a = answered.lock().unwrap();
         published
             .iter()
-            .map(|(id, t)| a[id].duration_since(*t).as_secs_f64() * 1000.0)
-            .collect()
+            .map(|(id, (t, sent_ms))| {
+                let (seen, produced_ms) = a[id];
+                (
+                    seen.duration_since(*t).as_secs_f64() * 1000.0,
+                    (produced_ms - sent_ms) as f64,
+                )
+            })
+            .unzip()
     };
     latencies.sort_by(f64::total_cmp);
-    let pct = |p: f64| latencies[((latencies.len() as f64 - 1.0) * p).round() as usize];
+    to_produced.sort_by(f64::total_cmp);
+    let at = |v: &[f64], p: f64| v[((v.len() as f64 - 1.0) * p).round() as usize];
+    let pct = |p: f64| at(&latencies, p);
+    eprintln!(
+        "{mode}: send → outcome produced p50 {:.0} ms, p99 {:.0} ms; send → outcome seen p50 {:.1} ms, p99 {:.1} ms",
+        at(&to_produced, 0.5),
+        at(&to_produced, 0.99),
+        pct(0.5),
+        pct(0.99)
+    );
     let _ = std::process::Command::new("kill")
         .args(["-TERM", &child.id().to_string()])
         .status();

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use deadpool_postgres::Pool;
+use futures::FutureExt;
 use rdkafka::consumer::{CommitMode, Consumer};
 use rdkafka::message::{BorrowedMessage, Header, Headers, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
@@ -55,8 +56,23 @@ impl Consume {
                     continue;
                 }
             }
+            // What librdkafka has fetched already joins the batch at once; waiting for more is
+            // only up to the linger (none by default: under load batches fill while the last
+            // one commits, and an idle relay answers a lone action without delay).
             let deadline = tokio::time::Instant::now() + linger;
             while batch.len() < max {
+                match consumer.recv().now_or_never() {
+                    Some(Ok(m)) => {
+                        batch.push(m);
+                        continue;
+                    }
+                    Some(Err(e)) => {
+                        tracing::warn!(error = %e, "kafka consume error");
+                        break;
+                    }
+                    None if linger.is_zero() => break,
+                    None => {}
+                }
                 match tokio::time::timeout_at(deadline, consumer.recv()).await {
                     Ok(Ok(m)) => batch.push(m),
                     Ok(Err(e)) => {

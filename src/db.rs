@@ -23,6 +23,11 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "0003_gates",
         include_str!("../schemas/postgres/0003_gates.sql"),
     ),
+    (
+        4,
+        "0004_attempt_hot_updates",
+        include_str!("../schemas/postgres/0004_attempt_hot_updates.sql"),
+    ),
 ];
 
 #[derive(Debug, thiserror::Error)]
@@ -64,26 +69,49 @@ pub fn sqlstate(e: &tokio_postgres::Error) -> Option<String> {
 }
 
 pub fn pg_config(cfg: &PostgresConfig) -> Result<tokio_postgres::Config, DbError> {
+    pg_config_with(cfg, "")
+}
+
+fn pg_config_with(cfg: &PostgresConfig, extra: &str) -> Result<tokio_postgres::Config, DbError> {
     let mut pg: tokio_postgres::Config = cfg
         .url
         .parse()
         .map_err(|e: tokio_postgres::Error| DbError::Build(e.to_string()))?;
     // The schema is validated as a plain identifier by the config.
-    pg.options(format!("-c search_path={}", cfg.schema));
+    pg.options(format!("-c search_path={}{extra}", cfg.schema));
     pg.application_name("idem");
     Ok(pg)
 }
 
+/// Session settings of the relay's data path. Each of its statements finds its rows through an
+/// index, by key or id, and is prepared once per connection. A plan chosen while a table was
+/// still small (a new schema, not yet analyzed) must not scan the whole table on every later
+/// execution: sequential scans are priced out, the prepared (generic) plan is kept instead of
+/// being planned anew on every execution, and nothing is JIT-compiled (the price of a scan
+/// priced out would otherwise pass the JIT threshold). Maintenance and people's commands
+/// (prune, explain, approvals) use [`pool`], with the server's settings.
+const DATA_PATH_SETTINGS: &str =
+    " -c enable_seqscan=off -c plan_cache_mode=force_generic_plan -c jit=off";
+
+/// The pool of the relay's data path: consume, claim, finish, publish, leases and recovery.
+pub fn data_path_pool(cfg: &PostgresConfig) -> Result<Pool, DbError> {
+    pool_of(pg_config_with(cfg, DATA_PATH_SETTINGS)?, cfg.pool_size)
+}
+
 pub fn pool(cfg: &PostgresConfig) -> Result<Pool, DbError> {
+    pool_of(pg_config(cfg)?, cfg.pool_size)
+}
+
+fn pool_of(pg: tokio_postgres::Config, size: usize) -> Result<Pool, DbError> {
     let manager = Manager::from_config(
-        pg_config(cfg)?,
+        pg,
         NoTls,
         ManagerConfig {
             recycling_method: RecyclingMethod::Fast,
         },
     );
     Pool::builder(manager)
-        .max_size(cfg.pool_size)
+        .max_size(size)
         .runtime(deadpool_postgres::Runtime::Tokio1)
         .build()
         .map_err(|e| DbError::Build(e.to_string()))

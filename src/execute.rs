@@ -42,7 +42,7 @@ use crate::store::{self, AttemptEnd, Claimed, Finish, FinishError, Guard, Settle
 const QUEUE_PER_PERMIT: usize = 4;
 /// Claims or outcomes per group-commit transaction, and such transactions in flight at once.
 const BATCH: usize = 256;
-const BATCH_WORKERS: usize = 4;
+const BATCH_WORKERS: usize = 2;
 
 /// One request to a group-commit batcher, its failure as the executor's error.
 async fn ask<T: Send + 'static, R: Send + 'static>(
@@ -975,7 +975,11 @@ async fn run_sql(
         .iter()
         .map(|t| t as &(dyn tokio_postgres::types::ToSql + Sync))
         .collect();
-    tx.batch_execute("savepoint idem_tool").await?;
+    // The tool's own statement plans with the server's settings, not the data path's.
+    tx.batch_execute(
+        "savepoint idem_tool; set local enable_seqscan = on; set local plan_cache_mode = auto",
+    )
+    .await?;
     let started = Instant::now();
     let typed = tx
         .prepare_typed(

@@ -62,7 +62,9 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Rela
 pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Handle, RelayError> {
     let config = Arc::new(config);
     let metrics = Arc::new(Metrics::new());
-    let pool = db::pool(&config.postgres)?;
+    let pool = db::data_path_pool(&config.postgres)?;
+    // Pruning and the admin API (explain, approvals) plan with the server's own settings.
+    let maintenance = db::pool(&config.postgres)?;
     check_schema(&pool).await?;
     warn_about_gates(&config);
 
@@ -99,7 +101,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Handle
     })?;
     let router = admin::router(AdminState {
         metrics: metrics.clone(),
-        pool: pool.clone(),
+        pool: maintenance.clone(),
         kafka_up,
         token: config.admin.token.clone().map(Arc::new),
         schema: config.postgres.schema.clone(),
@@ -159,7 +161,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Handle
     );
     let consume_task = tokio::spawn(consume.run(shutdown.clone()));
     let prune_task = tokio::spawn(prune_loop(
-        pool.clone(),
+        maintenance,
         config.clone(),
         stop_background.clone(),
     ));

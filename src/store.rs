@@ -4,8 +4,9 @@
 use std::collections::{HashMap, HashSet};
 
 use chrono::{DateTime, Utc};
+use deadpool_postgres::Transaction;
 use serde_json::{Map, Value};
-use tokio_postgres::{GenericClient, Transaction};
+use tokio_postgres::GenericClient;
 
 use crate::answer::{self, KeyState};
 use crate::config::{Tool, ToolClass};
@@ -191,21 +192,39 @@ const SELECT_SEEN_EVENTS: &str = "
 
 // A row with a lease owner is recorded claimed (`running`, epoch 1); its attempt row follows
 // in the same transaction.
-const INSERT_INTENTS: &str = "
-    insert into intents (idempotency_key, tool, class, run_id, step, business_id, args, material,
-                         fingerprint, args_hash, action_event_id, source_topic, source_partition,
-                         source_offset, traceparent, event_time, status, status_seq, lease_owner,
-                         lease_expires_at, lease_epoch)
-    select k, t, c, r, s, b, a, m, f, h, e, tp, p, o, tr, tm, st, sq, lo,
-           case when lo is null then null else now() + make_interval(secs => $20) end,
-           case when lo is null then 0 else 1 end
-      from unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::int8[], $6::text[],
-                  $7::jsonb[], $8::jsonb[], $9::text[], $10::text[], $11::text[], $12::text[],
-                  $13::int4[], $14::int8[], $15::text[], $16::timestamptz[], $17::text[],
-                  $18::int4[], $19::text[])
-           as u(k, t, c, r, s, b, a, m, f, h, e, tp, p, o, tr, tm, st, sq, lo)
-    on conflict (idempotency_key) where class <> 'read_only' do nothing
-    returning id, idempotency_key, action_event_id";
+macro_rules! insert_intents {
+    () => {
+        "insert into intents (idempotency_key, tool, class, run_id, step, business_id, args,
+                              material, fingerprint, args_hash, action_event_id, source_topic,
+                              source_partition, source_offset, traceparent, event_time, status,
+                              status_seq, lease_owner, lease_expires_at, lease_epoch)
+         select k, t, c, r, s, b, a, m, f, h, e, tp, p, o, tr, tm, st, sq, lo,
+                case when lo is null then null else now() + make_interval(secs => $20) end,
+                case when lo is null then 0 else 1 end
+           from unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::int8[], $6::text[],
+                       $7::jsonb[], $8::jsonb[], $9::text[], $10::text[], $11::text[],
+                       $12::text[], $13::int4[], $14::int8[], $15::text[], $16::timestamptz[],
+                       $17::text[], $18::int4[], $19::text[])
+                as u(k, t, c, r, s, b, a, m, f, h, e, tp, p, o, tr, tm, st, sq, lo)
+         on conflict (idempotency_key) where class <> 'read_only' do nothing
+         returning id, idempotency_key, action_event_id, lease_owner"
+    };
+}
+
+const INSERT_INTENTS: &str = insert_intents!();
+
+// The same, with each claimed row's first call opened in the same statement: for batches where
+// no per-run limit can refuse a claimed row after its insert.
+const INSERT_INTENTS_OPENING_CALLS: &str = concat!(
+    "with i as (",
+    insert_intents!(),
+    "), a as (
+        insert into attempts (intent_id, idempotency_key, seq, kind, reason, owner, lease_epoch)
+        select id, idempotency_key, 1, 'call', 'first', lease_owner, 1
+          from i where lease_owner is not null
+    )
+    select id, idempotency_key, action_event_id from i"
+);
 
 const OPEN_FIRST_CALLS: &str = "
     insert into attempts (intent_id, idempotency_key, seq, kind, reason, owner, lease_epoch)
@@ -228,12 +247,16 @@ const INSERT_DELIVERIES: &str = "
     select * from unnest($1::int8[], $2::text[], $3::text[], $4::text[], $5::int4[], $6::int8[],
                          $7::text[], $8::bool[])";
 
+// The publisher is woken (NOTIFY, delivered at commit) only when a row was new.
 const INSERT_OUTBOX: &str = "
-    insert into outbox (event_id, kafka_key, payload, traceparent)
-    select * from unnest($1::text[], $2::text[], $3::jsonb[], $4::text[])
-    on conflict (event_id) do nothing";
-
-const NOTIFY: &str = "select pg_notify($1, '')";
+    with o as (
+        insert into outbox (event_id, kafka_key, payload, traceparent)
+        select * from unnest($1::text[], $2::text[], $3::jsonb[], $4::text[])
+        on conflict (event_id) do nothing
+        returning 1
+    )
+    select n, case when n > 0 then pg_notify($5, '') end
+      from (select count(*) as n from o) c";
 
 // Keys whose intent was pruned: a run resumed past retention must not execute them as new.
 const TOMBSTONED: &str = "
@@ -335,10 +358,28 @@ pub async fn record_batch(
     };
 
     // 1. Which records and event ids were seen before: redeliveries and producer retries.
+    //    Sent together with the tombstone check of every key (step 2), in one round trip.
     let event_ids: Vec<String> = items.iter().filter_map(event_id_of).collect();
+    let action_keys: Vec<&str> = items
+        .iter()
+        .filter_map(|i| match i {
+            Incoming::Action(a) => Some(a.key.as_str()),
+            Incoming::Rejected { .. } => None,
+        })
+        .collect();
+    let (seen_statement, tombstoned) = futures::try_join!(
+        tx.prepare_cached(SELECT_SEEN_EVENTS),
+        tx.prepare_cached(TOMBSTONED)
+    )?;
+    let (seen_params, stale_params) = ([&event_ids as _], [&action_keys as _]);
+    let (seen_rows, stale_rows) = futures::try_join!(
+        tx.query(&seen_statement, &seen_params),
+        tx.query(&tombstoned, &stale_params)
+    )?;
+    let stale: HashSet<String> = stale_rows.iter().map(|r| r.get(0)).collect();
     let mut seen_records = HashSet::new();
     let mut seen_events = HashSet::new();
-    for row in tx.query(SELECT_SEEN_EVENTS, &[&event_ids]).await? {
+    for row in seen_rows {
         let event: String = row.get(0);
         seen_records.insert((
             row.get::<_, String>(1),
@@ -432,16 +473,6 @@ pub async fn record_batch(
         Incoming::Rejected { .. } => unreachable!("only actions are inserted"),
     };
     if !to_insert.is_empty() {
-        let keys: Vec<&str> = to_insert
-            .iter()
-            .map(|i| action_of(*i).key.as_str())
-            .collect();
-        let stale: HashSet<String> = tx
-            .query(TOMBSTONED, &[&keys])
-            .await?
-            .iter()
-            .map(|r| r.get(0))
-            .collect();
         let reattempt_keys: Vec<&KeyedAction> = to_insert
             .iter()
             .map(|i| action_of(*i))
@@ -543,9 +574,19 @@ pub async fn record_batch(
             .iter()
             .map(|a| claims(a).then_some(claimant.owner))
             .collect();
+        // Without per-run limits nothing refuses a claimed row once inserted: its first call
+        // is opened by the insert itself.
+        let limited = acts
+            .iter()
+            .any(|a| a.gates.max_per_run.is_some() || a.gates.run_cap.is_some());
+        let insert = if limited {
+            INSERT_INTENTS
+        } else {
+            INSERT_INTENTS_OPENING_CALLS
+        };
         let rows = tx
             .query(
-                INSERT_INTENTS,
+                &tx.prepare_cached(insert).await?,
                 &[
                     &keys,
                     &tools,
@@ -621,11 +662,14 @@ pub async fn record_batch(
                 result.new_intents.push((id, a.tool.clone()));
             }
         }
-        if !result.claimed.is_empty() {
+        if limited && !result.claimed.is_empty() {
             let ids: Vec<i64> = result.claimed.iter().map(|c| c.id).collect();
             let keys: Vec<&str> = result.claimed.iter().map(|c| c.key.as_str()).collect();
-            tx.execute(OPEN_FIRST_CALLS, &[&ids, &keys, &claimant.owner])
-                .await?;
+            tx.execute(
+                &tx.prepare_cached(OPEN_FIRST_CALLS).await?,
+                &[&ids, &keys, &claimant.owner],
+            )
+            .await?;
         }
     }
 
@@ -639,7 +683,10 @@ pub async fn record_batch(
             })
             .collect();
         let mut existing: HashMap<String, ExistingKey> = HashMap::new();
-        for row in tx.query(SELECT_KEYS_FOR_SHARE, &[&keys]).await? {
+        for row in tx
+            .query(&tx.prepare_cached(SELECT_KEYS_FOR_SHARE).await?, &[&keys])
+            .await?
+        {
             let status: String = row.get(6);
             let reported = OutcomeStatus::parse(&status);
             let state = KeyState {
@@ -737,11 +784,16 @@ pub async fn record_batch(
         }
     }
 
-    // 6. Every delivery, so repeats can be classified and explained later.
-    if !deliveries.key.is_empty() {
-        let d = &deliveries;
+    // 6. Every delivery, so repeats can be classified and explained later; and 7. the immediate
+    //    answers, sent together.
+    let d = &deliveries;
+    let record_deliveries = async {
+        if d.key.is_empty() {
+            return Ok(0);
+        }
+        let statement = tx.prepare_cached(INSERT_DELIVERIES).await?;
         tx.execute(
-            INSERT_DELIVERIES,
+            &statement,
             &[
                 &d.intent_id,
                 &d.key,
@@ -753,10 +805,11 @@ pub async fn record_batch(
                 &d.answered,
             ],
         )
-        .await?;
-    }
-    // 7. Immediate answers.
-    result.answers = insert_outbox(tx, &outbox, channel).await?;
+        .await
+        .map_err(DbError::from)
+    };
+    let (_, answers) = futures::try_join!(record_deliveries, insert_outbox(tx, &outbox, channel))?;
+    result.answers = answers;
     Ok(result)
 }
 
@@ -797,7 +850,13 @@ async fn count_runs(
     let runs: Vec<&str> = groups.keys().map(|k| k.0.as_str()).collect();
     let tools: Vec<&str> = groups.keys().map(|k| k.1.as_str()).collect();
     let adds: Vec<i32> = groups.values().map(|g| g.1.len() as i32).collect();
-    for row in tx.query(COUNT_RUN, &[&runs, &tools, &adds]).await? {
+    for row in tx
+        .query(
+            &tx.prepare_cached(COUNT_RUN).await?,
+            &[&runs, &tools, &adds],
+        )
+        .await?
+    {
         let key: (String, String) = (row.get(0), row.get(1));
         let total: i32 = row.get(2);
         let (limit, ids) = &groups[&key];
@@ -834,13 +893,11 @@ async fn insert_outbox(
     let keys: Vec<&str> = outcomes.iter().map(|o| o.key.as_str()).collect();
     let payloads: Vec<&Value> = outcomes.iter().map(|o| &o.payload).collect();
     let traces: Vec<Option<&str>> = outcomes.iter().map(|o| o.traceparent.as_deref()).collect();
-    let n = tx
-        .execute(INSERT_OUTBOX, &[&ids, &keys, &payloads, &traces])
+    let statement = tx.prepare_cached(INSERT_OUTBOX).await?;
+    let row = tx
+        .query_one(&statement, &[&ids, &keys, &payloads, &traces, &channel])
         .await?;
-    if n > 0 {
-        tx.execute(NOTIFY, &[&channel]).await?;
-    }
-    Ok(n as usize)
+    Ok(row.get::<_, i64>(0) as usize)
 }
 
 // ------------------------------------------------------------------ executor
@@ -1078,7 +1135,7 @@ pub async fn finish(
         .await?
         .ok_or(FinishError::Fenced(id))?;
     if let Some(end) = last_attempt {
-        end_attempt(tx, id, end).await?;
+        end_attempt(&**tx, id, end).await?;
     }
     let state = KeyState {
         key: row.get(0),
@@ -1231,7 +1288,7 @@ const OUTBOX_LAG: &str = "
 
 pub async fn unpublished(tx: &Transaction<'_>, limit: i64) -> Result<Vec<OutboxRow>, DbError> {
     Ok(tx
-        .query(SELECT_UNPUBLISHED, &[&limit])
+        .query(&tx.prepare_cached(SELECT_UNPUBLISHED).await?, &[&limit])
         .await?
         .iter()
         .map(|r| OutboxRow {
@@ -1245,7 +1302,8 @@ pub async fn unpublished(tx: &Transaction<'_>, limit: i64) -> Result<Vec<OutboxR
 }
 
 pub async fn mark_published(tx: &Transaction<'_>, ids: &[i64]) -> Result<(), DbError> {
-    tx.execute(MARK_PUBLISHED, &[&ids]).await?;
+    tx.execute(&tx.prepare_cached(MARK_PUBLISHED).await?, &[&ids])
+        .await?;
     Ok(())
 }
 
@@ -1330,33 +1388,43 @@ pub struct Finish {
     pub end: Option<AttemptEnd>,
 }
 
+// The group's intents, locked in id order, so concurrent groups and lease renewals cannot
+// deadlock. A statement of its own: the one after it takes its snapshot once these locks are
+// held, so it sees every repeat recorded (by a batch holding a share lock) before them.
+const LOCK_MANY: &str = "select id from intents where id = any($1) order by id for update";
+
+// Every outcome of the group in one statement: the intents (fenced by epoch), their attempts
+// closed, and the repeats that waited for them marked answered (their event ids returned, to be
+// answered from the outbox). The status a claimed row must still have is a parameter ($7,
+// always 'running'): with a literal, a generic (prepared) plan may scan every running intent
+// through `intents_open` instead of looking the ids up by primary key.
 const FINISH_MANY: &str = "
-    with locked as materialized (
-        select id from intents where id = any($1) order by id for update
+    with f as (
+        update intents i
+           set status = u.status, result = u.result, error = u.error,
+               attempts = i.attempts + u.attempts, status_seq = i.status_seq + 1,
+               lease_owner = null, lease_expires_at = null, needs_verify = false,
+               next_reason = 'first', updated_at = now(), finished_at = now()
+          from unnest($1::int8[], $2::int8[], $3::text[], $4::jsonb[], $5::jsonb[], $6::int4[])
+               as u(id, epoch, status, result, error, attempts)
+         where i.id = u.id and i.lease_epoch = u.epoch and i.status = $7
+        returning i.id, i.idempotency_key, i.run_id, i.step, i.tool, i.action_event_id,
+                  i.attempts, i.status_seq, i.finished_at, i.traceparent
+    ), e as (
+        update attempts a
+           set ended_at = now(), classification = u.classification, http_status = u.http_status,
+               error = u.error, latency_ms = u.latency_ms
+          from unnest($8::int8[], $9::int4[], $10::text[], $11::int4[], $12::text[], $13::float8[])
+               as u(intent_id, seq, classification, http_status, error, latency_ms)
+         where a.intent_id = u.intent_id and a.seq = u.seq
+           and u.intent_id = any(array(select id from f))
+    ), w as (
+        update deliveries set answered = true
+         where intent_id = any(array(select id from f)) and not answered
+        returning intent_id, action_event_id
     )
-    update intents i
-       set status = u.status, result = u.result, error = u.error, attempts = i.attempts + u.attempts,
-           status_seq = i.status_seq + 1, lease_owner = null, lease_expires_at = null,
-           needs_verify = false, next_reason = 'first', updated_at = now(), finished_at = now()
-      from locked l,
-           unnest($1::int8[], $2::int8[], $3::text[], $4::jsonb[], $5::jsonb[], $6::int4[])
-           as u(id, epoch, status, result, error, attempts)
-     where i.id = l.id and u.id = l.id and i.lease_epoch = u.epoch and i.status = 'running'
-    returning i.id, i.idempotency_key, i.run_id, i.step, i.tool, i.action_event_id, i.attempts,
-              i.status_seq, i.finished_at, i.traceparent";
-
-const ANSWER_WAITING_MANY: &str = "
-    update deliveries set answered = true
-     where intent_id = any($1) and not answered
-    returning intent_id, action_event_id";
-
-const END_ATTEMPTS_MANY: &str = "
-    update attempts a
-       set ended_at = now(), classification = u.classification, http_status = u.http_status,
-           error = u.error, latency_ms = u.latency_ms
-      from unnest($1::int8[], $2::int4[], $3::text[], $4::int4[], $5::text[], $6::float8[])
-           as u(intent_id, seq, classification, http_status, error, latency_ms)
-     where a.intent_id = u.intent_id and a.seq = u.seq";
+    select f.*, (select array_agg(w.action_event_id) from w where w.intent_id = f.id)
+      from f";
 
 /// Records many calls' results in the caller's transaction: the same as [`finish`] for each,
 /// in four statements for all. An item whose claim was lost is `None` and writes nothing.
@@ -1379,15 +1447,31 @@ pub async fn finish_many(
         })
         .collect();
     let attempts: Vec<i32> = items.iter().map(|f| f.settled.attempts).collect();
-    let rows = tx
-        .query(
-            FINISH_MANY,
-            &[&ids, &epochs, &statuses, &results, &errors, &attempts],
-        )
-        .await?;
-    let mut finished: HashMap<i64, (KeyState, i32, Option<String>)> =
-        HashMap::with_capacity(rows.len());
+    let ends: Vec<(i64, &AttemptEnd)> = items
+        .iter()
+        .filter_map(|f| f.end.as_ref().map(|e| (f.id, e)))
+        .collect();
+    let end_ids: Vec<i64> = ends.iter().map(|(id, _)| *id).collect();
+    let seqs: Vec<i32> = ends.iter().map(|(_, e)| e.seq).collect();
+    let classes: Vec<&str> = ends.iter().map(|(_, e)| e.classification).collect();
+    let http: Vec<Option<i32>> = ends.iter().map(|(_, e)| e.http_status).collect();
+    let errs: Vec<Option<&str>> = ends.iter().map(|(_, e)| e.error.as_deref()).collect();
+    let latencies: Vec<f64> = ends.iter().map(|(_, e)| e.latency_ms).collect();
+    let (lock, finish) =
+        futures::try_join!(tx.prepare_cached(LOCK_MANY), tx.prepare_cached(FINISH_MANY))?;
+    let lock_params = [&ids as _];
+    let finish_params: [&(dyn tokio_postgres::types::ToSql + Sync); 13] = [
+        &ids, &epochs, &statuses, &results, &errors, &attempts, &"running", &end_ids, &seqs,
+        &classes, &http, &errs, &latencies,
+    ];
+    // Pipelined: one round trip, executed in order.
+    let (_, rows) = futures::try_join!(
+        tx.query(&lock, &lock_params),
+        tx.query(&finish, &finish_params)
+    )?;
     let by_id: HashMap<i64, &Finish> = items.iter().map(|f| (f.id, f)).collect();
+    let mut finished: HashMap<i64, KeyState> = HashMap::with_capacity(rows.len());
+    let mut outcomes = Vec::with_capacity(rows.len());
     for row in &rows {
         let id: i64 = row.get(0);
         let f = by_id[&id];
@@ -1403,51 +1487,20 @@ pub async fn finish_many(
             first_event_id: row.get(5),
             at: row.get(8),
         };
-        finished.insert(id, (state, row.get(7), row.get(9)));
-    }
-    let done: Vec<i64> = finished.keys().copied().collect();
-
-    let ends: Vec<&AttemptEnd> = items
-        .iter()
-        .filter(|f| finished.contains_key(&f.id))
-        .filter_map(|f| f.end.as_ref().map(|_| f))
-        .map(|f| f.end.as_ref().expect("filtered"))
-        .collect();
-    if !ends.is_empty() {
-        let end_ids: Vec<i64> = items
-            .iter()
-            .filter(|f| finished.contains_key(&f.id) && f.end.is_some())
-            .map(|f| f.id)
-            .collect();
-        let seqs: Vec<i32> = ends.iter().map(|e| e.seq).collect();
-        let classes: Vec<&str> = ends.iter().map(|e| e.classification).collect();
-        let statuses: Vec<Option<i32>> = ends.iter().map(|e| e.http_status).collect();
-        let errs: Vec<Option<&str>> = ends.iter().map(|e| e.error.as_deref()).collect();
-        let latencies: Vec<f64> = ends.iter().map(|e| e.latency_ms).collect();
-        tx.execute(
-            END_ATTEMPTS_MANY,
-            &[&end_ids, &seqs, &classes, &statuses, &errs, &latencies],
-        )
-        .await?;
-    }
-
-    let mut outcomes = Vec::with_capacity(done.len() * 2);
-    for (state, seq, traceparent) in finished.values() {
-        outcomes.push(answer::status_change(state, *seq, traceparent.clone()));
-    }
-    if !done.is_empty() {
-        for row in tx.query(ANSWER_WAITING_MANY, &[&done]).await? {
-            let id: i64 = row.get(0);
-            let event_id: String = row.get(1);
-            let (state, _, traceparent) = &finished[&id];
+        let traceparent: Option<String> = row.get(9);
+        outcomes.push(answer::status_change(
+            &state,
+            row.get(7),
+            traceparent.clone(),
+        ));
+        let waiting: Option<Vec<String>> = row.get(10);
+        for event_id in waiting.unwrap_or_default() {
             if event_id != state.first_event_id {
-                outcomes.push(answer::duplicate(state, &event_id, traceparent.clone()));
+                outcomes.push(answer::duplicate(&state, &event_id, traceparent.clone()));
             }
         }
+        finished.insert(id, state);
     }
     insert_outbox(tx, &outcomes, channel).await?;
-    Ok(items
-        .iter()
-        .map(|f| finished.remove(&f.id).map(|(s, _, _)| s))
-        .collect())
+    Ok(items.iter().map(|f| finished.remove(&f.id)).collect())
 }

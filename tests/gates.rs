@@ -317,7 +317,9 @@ async fn a_pruned_key_resumed_is_stale_and_parked_keys_are_never_pruned() {
     outcomes.answer("paused", "pending_approval").await;
 
     let pg = env.pg().await;
-    pg.execute("update intents set finished_at = now() - interval '8 days', created_at = now() - interval '8 days'", &[]).await.unwrap();
+    // Aged past retention; the parked key stays younger than its approval timeout, so it keeps
+    // its run paused.
+    pg.execute("update intents set finished_at = now() - interval '8 days', created_at = now() - interval '8 days' where status <> 'pending_approval'", &[]).await.unwrap();
     let pool = pool(&env).await;
     let pruned = idem::inspect::prune(&pool, &config).await.unwrap();
     assert_eq!(
