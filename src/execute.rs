@@ -97,6 +97,12 @@ where
     }
 }
 
+/// What a call holds while it runs downstream: a place among all calls and among its tool's.
+struct CallPermits {
+    _global: OwnedSemaphorePermit,
+    _tool: Option<OwnedSemaphorePermit>,
+}
+
 /// An intent to execute: recorded and still to be claimed, or claimed when it was recorded.
 enum Work {
     Pending(i64),
@@ -119,6 +125,8 @@ pub struct Executor {
     tool_permits: HashMap<String, Arc<Semaphore>>,
     permits: Arc<Semaphore>,
     queue: Arc<Semaphore>,
+    /// Calls done downstream whose outcomes are being recorded.
+    recording: Arc<Semaphore>,
     http: reqwest::Client,
     metrics: Arc<Metrics>,
     owner: String,
@@ -207,6 +215,7 @@ impl Executor {
             tool_permits,
             permits: Arc::new(Semaphore::new(config.relay.concurrency)),
             queue: Arc::new(Semaphore::new(config.relay.concurrency * QUEUE_PER_PERMIT)),
+            recording: Arc::new(Semaphore::new(config.relay.concurrency)),
             http,
             metrics,
             owner,
@@ -269,6 +278,10 @@ impl Executor {
             .await
             .expect("never closed");
         drop(slot);
+        let permits = CallPermits {
+            _global: permit,
+            _tool: tool_permit,
+        };
         let id = work.id();
         if self.stopping.load(std::sync::atomic::Ordering::Relaxed) {
             // Left for the next relay: a pending one as it is, a claimed one released, since
@@ -280,7 +293,7 @@ impl Executor {
             }
             return;
         }
-        match self.execute(work).await {
+        match self.execute(work, permits).await {
             Ok(()) => {}
             Err(ExecError::Fenced) => {
                 tracing::warn!(
@@ -293,13 +306,11 @@ impl Executor {
                 tracing::error!(intent = id, error = %e, "giving up on the database; recovery will settle it");
             }
         }
-        drop(permit);
-        drop(tool_permit);
     }
 
     /// Claim (batched with other claims) unless claimed already, call, record (batched with
     /// other records).
-    async fn execute(&self, work: Work) -> Result<(), ExecError> {
+    async fn execute(&self, work: Work, permits: CallPermits) -> Result<(), ExecError> {
         let claimed = match work {
             Work::Claimed(c) => *c,
             Work::Pending(id) => match with_retry("claim", || ask(&self.claims, id)).await? {
@@ -330,15 +341,30 @@ impl Executor {
             return self.record(&claimed, settled, Some(end)).await;
         };
         self.metrics.inflight.inc();
-        let result = match &tool.executor {
-            ExecutorKind::Http(_) => match self.call_http(&tool, &claimed).await {
-                Ok((settled, end)) => self.record(&claimed, settled, Some(end)).await,
-                Err(e) => Err(e),
-            },
-            ExecutorKind::Sql(_) => with_retry("record", || self.record_sql(&claimed, &tool)).await,
-        };
-        self.metrics.inflight.dec();
-        result
+        match &tool.executor {
+            ExecutorKind::Http(_) => {
+                let called = self.call_http(&tool, &claimed).await;
+                self.metrics.inflight.dec();
+                let (settled, end) = called?;
+                // The downstream is done with this call: the next one starts while this outcome
+                // is recorded. Calls waiting to be recorded are bounded too; a call holds its
+                // permits until it has a place among them.
+                let _recording = self
+                    .recording
+                    .clone()
+                    .acquire_owned()
+                    .await
+                    .expect("never closed");
+                drop(permits);
+                self.record(&claimed, settled, Some(end)).await
+            }
+            ExecutorKind::Sql(_) => {
+                // The statement runs in the outcome transaction: recording is the call.
+                let result = with_retry("record", || self.record_sql(&claimed, &tool)).await;
+                self.metrics.inflight.dec();
+                result
+            }
+        }
     }
 
     /// Runs the http call with the tool's retry policy, logging every attempt. Retries only
