@@ -249,6 +249,69 @@ async fn thousand_actions_thirty_percent_duplicates_six_partitions() {
     relay.stop().await;
 }
 
+/// Repeats recorded while their key's outcome is being written (the batch holding a share lock
+/// on the key as the finish waits for it) are answered all the same: none is left waiting.
+#[tokio::test]
+async fn repeats_racing_their_keys_finish_are_all_answered() {
+    let env = Env::new().await;
+    let outcomes = env.outcomes().await;
+    let slow = EMAIL.replace("/v1/send_email", "/v1/send_email?delay_ms=15");
+    let relay = env.start(env.config(&slow, "").await).await;
+    let p = env.producer();
+    let mut ids = Vec::new();
+    let mut keys = HashSet::new();
+    for round in 0..8 {
+        let firsts: Vec<_> = (0..25)
+            .map(|k| {
+                let business = format!("order_{round}_{k}");
+                keys.insert(format!("run_race:send_email:{business}"));
+                let id = format!("evt-{round}-{k}-0");
+                ids.push(id.clone());
+                action(&id, email("run_race", &business, "Your refund"))
+            })
+            .collect();
+        futures::future::join_all(firsts.iter().map(|e| p.send(e))).await;
+        // Replays of the same keys every few milliseconds, before, during and after the call
+        // and its outcome's commit.
+        for wave in 1..=12 {
+            let replays: Vec<_> = (0..25)
+                .map(|k| {
+                    let id = format!("evt-{round}-{k}-{wave}");
+                    ids.push(id.clone());
+                    action(
+                        &id,
+                        email("run_race", &format!("order_{round}_{k}"), "Your refund"),
+                    )
+                })
+                .collect();
+            futures::future::join_all(replays.iter().map(|e| p.send(e))).await;
+            tokio::time::sleep(Duration::from_millis(3)).await;
+        }
+    }
+    outcomes
+        .wait_for(
+            "every action event answered",
+            Duration::from_secs(120),
+            |all| {
+                let answered: HashSet<&str> = all
+                    .iter()
+                    .filter_map(|o| o["data"]["action_event_id"].as_str())
+                    .collect();
+                ids.iter().all(|id| answered.contains(id.as_str()))
+            },
+        )
+        .await;
+    assert_eq!(env.downstream.distinct_keys(), keys.len());
+    assert_eq!(env.downstream.total_effects(), keys.len() as u64);
+    let all = outcomes.json();
+    let duplicates = all
+        .iter()
+        .filter(|o| o["data"]["duplicate"] == true)
+        .count();
+    assert_eq!(duplicates, ids.len() - keys.len());
+    relay.stop().await;
+}
+
 #[tokio::test]
 async fn bad_input_goes_to_the_dead_letter_topic_with_its_reason() {
     let env = Env::new().await;
