@@ -1427,7 +1427,8 @@ const FINISH_MANY: &str = "
       from f";
 
 /// Records many calls' results in the caller's transaction: the same as [`finish`] for each,
-/// in four statements for all. An item whose claim was lost is `None` and writes nothing.
+/// in three statements for all (the lock and the finish pipelined, then the outbox). An item
+/// whose claim was lost is `None` and writes nothing.
 pub async fn finish_many(
     tx: &Transaction<'_>,
     items: &[Finish],

@@ -219,19 +219,7 @@ async fn thousand_actions_thirty_percent_duplicates_six_partitions() {
     for chunk in sends.chunks(100) {
         futures::future::join_all(chunk.iter().map(|e| p.send(e))).await;
     }
-    outcomes
-        .wait_for(
-            "every action event answered",
-            Duration::from_secs(120),
-            |all| {
-                let answered: HashSet<&str> = all
-                    .iter()
-                    .filter_map(|o| o["data"]["action_event_id"].as_str())
-                    .collect();
-                ids.iter().all(|id| answered.contains(id.as_str()))
-            },
-        )
-        .await;
+    outcomes.answer_all(&ids, Duration::from_secs(120)).await;
     assert_eq!(env.downstream.distinct_keys(), keys.len());
     assert_eq!(
         env.downstream.total_effects(),
@@ -288,19 +276,7 @@ async fn repeats_racing_their_keys_finish_are_all_answered() {
             tokio::time::sleep(Duration::from_millis(3)).await;
         }
     }
-    outcomes
-        .wait_for(
-            "every action event answered",
-            Duration::from_secs(120),
-            |all| {
-                let answered: HashSet<&str> = all
-                    .iter()
-                    .filter_map(|o| o["data"]["action_event_id"].as_str())
-                    .collect();
-                ids.iter().all(|id| answered.contains(id.as_str()))
-            },
-        )
-        .await;
+    outcomes.answer_all(&ids, Duration::from_secs(120)).await;
     assert_eq!(env.downstream.distinct_keys(), keys.len());
     assert_eq!(env.downstream.total_effects(), keys.len() as u64);
     let all = outcomes.json();

@@ -332,6 +332,18 @@ impl Collector {
         }
     }
 
+    /// Waits until every one of `ids` (action event ids) has an answer, of any status.
+    pub async fn answer_all(&self, ids: &[String], within: Duration) -> Vec<Value> {
+        self.wait_for("every action event answered", within, |all| {
+            let answered: std::collections::HashSet<&str> = all
+                .iter()
+                .filter_map(|o| o["data"]["action_event_id"].as_str())
+                .collect();
+            ids.iter().all(|id| answered.contains(id.as_str()))
+        })
+        .await
+    }
+
     /// Waits for an answer to `action_event_id` with `status`.
     pub async fn answer(&self, action_event_id: &str, status: &str) -> Value {
         let all = self
