@@ -79,12 +79,19 @@ async fn readyz(State(s): State<AdminState>) -> (StatusCode, String) {
     .flatten()
     .is_some();
     let kafka = s.kafka_up.load(Ordering::Relaxed);
+    // Reachable is not enough: a read-only or full database answers `select 1` and refuses
+    // every intent.
+    let writable = s.metrics.postgres_is_writable();
     let body = format!(
         "postgres: {}\nkafka: {}\n",
-        if postgres { "ok" } else { "unreachable" },
+        match (postgres, writable) {
+            (false, _) => "unreachable",
+            (true, false) => "refusing writes",
+            (true, true) => "ok",
+        },
         if kafka { "ok" } else { "unreachable" }
     );
-    if postgres && kafka {
+    if postgres && writable && kafka {
         (StatusCode::OK, body)
     } else {
         (StatusCode::SERVICE_UNAVAILABLE, body)

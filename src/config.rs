@@ -493,6 +493,9 @@ pub enum StatusClass {
 #[derive(Debug, Clone, Default)]
 pub struct StatusTable {
     overrides: BTreeMap<u16, StatusClass>,
+    /// A dangerous tool whose downstream does not declare `honors_key`: 503 may come from a
+    /// proxy or gateway after the request was forwarded, so it is not "nothing processed".
+    unavailable_is_ambiguous: bool,
 }
 
 impl StatusTable {
@@ -502,6 +505,7 @@ impl StatusTable {
         }
         match status {
             200..=299 => StatusClass::Succeeded,
+            503 if self.unavailable_is_ambiguous => StatusClass::Unknown,
             408 | 409 | 425 | 429 | 503 => StatusClass::Retry,
             400..=499 => StatusClass::Failed,
             _ => StatusClass::Unknown,
@@ -515,6 +519,8 @@ pub struct SqlExecutor {
     pub statement: String,
     /// `key` or a field path, one per placeholder.
     pub params: Vec<SqlParam>,
+    /// The statement is cancelled past this (`failed`, SQLSTATE 57014).
+    pub timeout: Duration,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -867,7 +873,10 @@ fn validate_tool(i: usize, t: RawTool, relay_concurrency: usize) -> Result<Tool,
                     ));
                 }
             }
-            let mut status = StatusTable::default();
+            let mut status = StatusTable {
+                unavailable_is_ambiguous: class == ToolClass::Dangerous && !e.honors_key,
+                ..StatusTable::default()
+            };
             if let Some(table) = e.status {
                 for (codes, class) in [
                     (table.succeeded, StatusClass::Succeeded),
@@ -940,7 +949,17 @@ fn validate_tool(i: usize, t: RawTool, relay_concurrency: usize) -> Result<Tool,
                     "a sql executor writes in the outcome transaction: use idempotent or dangerous",
                 ));
             }
-            Executor::Sql(SqlExecutor { statement, params })
+            // Enforced with `SET LOCAL statement_timeout`, so one slow statement cannot hold a
+            // connection of the relay's pool for longer.
+            let timeout = duration(
+                &at("executor.timeout"),
+                e.timeout.as_deref().unwrap_or("10s"),
+            )?;
+            Executor::Sql(SqlExecutor {
+                statement,
+                params,
+                timeout,
+            })
         }
         other => {
             return Err(invalid(
@@ -1376,6 +1395,31 @@ executor = { kind = "sql", statement = "insert into t values ($1, $2) returning 
         };
         assert_eq!(h.status.classify(409), StatusClass::Failed);
         assert_eq!(h.status.classify(500), StatusClass::Retry);
+    }
+
+    /// 503 often comes from a proxy that forwarded the request: for a dangerous tool it is
+    /// "may have happened" unless the downstream dedupes on the key; 429 and 425 stay "nothing
+    /// processed" (the client was refused before any work).
+    #[test]
+    fn unavailable_is_ambiguous_for_a_dangerous_tool_unless_it_honours_the_key() {
+        let status_of = |text: &str, code: u16| {
+            let c = Config::from_toml(text, no_env).unwrap();
+            let Executor::Http(h) = &c.tools[0].executor else {
+                panic!("http")
+            };
+            h.status.classify(code)
+        };
+        let dangerous = MINIMAL_TOOL.replace("}", ", honors_key = false }");
+        assert_eq!(status_of(&dangerous, 503), StatusClass::Unknown);
+        assert_eq!(status_of(&dangerous, 429), StatusClass::Retry);
+        assert_eq!(status_of(&dangerous, 425), StatusClass::Retry);
+        let keyed = MINIMAL_TOOL.replace("}", ", honors_key = true }");
+        assert_eq!(status_of(&keyed, 503), StatusClass::Retry);
+        let idempotent = MINIMAL_TOOL.replace("\"dangerous\"", "\"idempotent\"");
+        assert_eq!(status_of(&idempotent, 503), StatusClass::Retry);
+        // An explicit table entry still wins.
+        let listed = MINIMAL_TOOL.replace("}", ", status = { retry = [503] } }");
+        assert_eq!(status_of(&listed, 503), StatusClass::Retry);
     }
 
     #[test]

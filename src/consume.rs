@@ -22,6 +22,9 @@ use crate::key;
 use crate::metrics::{Metrics, Origin};
 use crate::store::{self, Incoming, KeyedAction, Position};
 
+/// Warnings of batches waiting for Postgres, throttled.
+static RECORD_WAIT: crate::db::WaitLog = crate::db::WaitLog::new();
+
 /// Dead letters carry the original bytes up to this size (the producer's limit is 1 MB).
 const MAX_DEAD_LETTER_BYTES: usize = 900 * 1024;
 
@@ -109,18 +112,31 @@ impl Consume {
         let mut backoff = Duration::from_millis(50);
         let result = loop {
             match self.record(&items, &channel).await {
-                Ok(r) => break r,
+                Ok(r) => {
+                    self.metrics.postgres_wrote();
+                    break r;
+                }
                 // Nothing recorded, so no offset moves: the next relay re-reads this batch.
                 Err(_) if shutdown.is_cancelled() => return,
-                Err(e) if !e.is_transient() && items.len() > 1 => {
+                Err(e) if e.refuses_data() && items.len() > 1 => {
                     // One message the database refuses must not hold the others: record them
                     // one by one and dead-letter what cannot be recorded.
                     tracing::warn!(error = %e, "batch refused; recording its messages one by one");
-                    break self.record_singly(batch, &items, &channel, shutdown).await;
+                    match self.record_singly(batch, &items, &channel, shutdown).await {
+                        Some(r) => break r,
+                        None => return,
+                    }
                 }
+                // Down, read-only, out of space, or anything else that is not this data's
+                // fault: valid actions are never dead-lettered for it. The batch waits, and
+                // the partition resumes where it stopped.
                 Err(e) => {
-                    tracing::warn!(error = %e, messages = items.len(), "cannot record intents; retrying the batch");
-                    tokio::time::sleep(backoff).await;
+                    self.metrics.postgres_unavailable("record");
+                    RECORD_WAIT.retrying("record", &e);
+                    tokio::select! {
+                        _ = shutdown.cancelled() => return,
+                        _ = tokio::time::sleep(backoff) => {}
+                    }
                     backoff = (backoff * 2).min(Duration::from_secs(5));
                 }
             }
@@ -167,26 +183,32 @@ impl Consume {
         }
     }
 
+    /// Records a refused batch's messages one at a time; `None` when shutdown came first (no
+    /// offset of the batch moves then; what was recorded is read again as redeliveries).
     async fn record_singly(
         &self,
         batch: &[BorrowedMessage<'_>],
         items: &[Incoming],
         channel: &str,
         shutdown: &CancellationToken,
-    ) -> store::BatchResult {
+    ) -> Option<store::BatchResult> {
         let mut all = store::BatchResult::default();
         for (m, item) in batch.iter().zip(items) {
             let mut backoff = Duration::from_millis(50);
             let r = loop {
                 match self.record(std::slice::from_ref(item), channel).await {
                     Ok(r) => break Some(r),
-                    Err(e) if e.is_transient() && !shutdown.is_cancelled() => {
-                        tokio::time::sleep(backoff).await;
-                        backoff = (backoff * 2).min(Duration::from_secs(5));
-                    }
-                    Err(e) => {
+                    Err(_) if shutdown.is_cancelled() => return None,
+                    // Only this message's own data may send it to the dead-letter topic.
+                    Err(e) if e.refuses_data() => {
                         self.dead_letter(m, "unrecordable", &e.to_string()).await;
                         break None;
+                    }
+                    Err(e) => {
+                        self.metrics.postgres_unavailable("record");
+                        RECORD_WAIT.retrying("record", &e);
+                        tokio::time::sleep(backoff).await;
+                        backoff = (backoff * 2).min(Duration::from_secs(5));
                     }
                 }
             };
@@ -198,7 +220,7 @@ impl Consume {
                 all.rejections.extend(r.rejections);
             }
         }
-        all
+        Some(all)
     }
 
     async fn record(

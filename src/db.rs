@@ -1,5 +1,7 @@
 //! Postgres: the connection pool, migrations, and the one place SQLSTATEs are classified.
 
+use std::time::Duration;
+
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
 use tokio_postgres::error::SqlState;
 use tokio_postgres::NoTls;
@@ -32,34 +34,117 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
 
 #[derive(Debug, thiserror::Error)]
 pub enum DbError {
-    #[error("postgres: {0}")]
+    #[error("postgres: {}", describe(.0))]
     Postgres(#[from] tokio_postgres::Error),
     #[error("postgres pool: {0}")]
     Pool(#[from] deadpool_postgres::PoolError),
     #[error("postgres pool setup: {0}")]
     Build(String),
+    /// A key read a moment ago in the same transaction is gone (pruned meanwhile): the work
+    /// is done again from the start.
+    #[error("intent of key {0} vanished while its batch was recorded")]
+    Vanished(String),
+}
+
+/// A server error with its SQLSTATE and message (tokio-postgres alone says only "db error").
+fn describe(e: &tokio_postgres::Error) -> String {
+    match e.as_db_error() {
+        Some(d) => format!("{} (SQLSTATE {})", d.message(), d.code().code()),
+        None => e.to_string(),
+    }
+}
+
+/// What a database error says about retrying: the one place SQLSTATEs are sorted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// The database cannot do it now (down, read-only, out of space, cancelled, a lock wait or
+    /// a serialization conflict): the same work succeeds later. Never the message's fault.
+    Unavailable,
+    /// The data of one message is refused (classes 22 data exception, 23 integrity constraint,
+    /// 54 program limit such as a row too large): retrying it alone fails the same way.
+    Refused,
+    /// Anything else (a missing table, a syntax error, an internal error): not the message's
+    /// fault either, and not expected to heal by itself.
+    Other,
+}
+
+/// Sorts a SQLSTATE (`None`: no code, the connection or I/O failed).
+pub fn fault_of(sqlstate: Option<&str>) -> Fault {
+    let Some(code) = sqlstate else {
+        return Fault::Unavailable;
+    };
+    match (&code[..2.min(code.len())], code) {
+        // Connection exceptions, insufficient resources (disk full, out of memory, too many
+        // connections), operator intervention (admin shutdown, crash shutdown, cannot connect
+        // now, query cancelled), system errors (I/O).
+        ("08" | "53" | "57" | "58", _) => Fault::Unavailable,
+        // Serialization failure, deadlock; read-only transaction; lock not available (lock
+        // timeout), object in use.
+        (_, "40001" | "40P01" | "25006" | "55P03" | "55006") => Fault::Unavailable,
+        ("22" | "23" | "54", _) => Fault::Refused,
+        _ => Fault::Other,
+    }
 }
 
 impl DbError {
-    /// Whether retrying the same transaction may succeed: lost connections, serialization
-    /// failures and deadlocks are transient; a constraint or syntax error is not.
-    pub fn is_transient(&self) -> bool {
+    pub fn fault(&self) -> Fault {
         match self {
-            DbError::Pool(_) => true,
-            DbError::Build(_) => false,
-            DbError::Postgres(e) => match e.code() {
-                None => true, // connection closed, I/O: the server may come back
-                Some(code) => {
-                    *code == SqlState::T_R_SERIALIZATION_FAILURE
-                        || *code == SqlState::T_R_DEADLOCK_DETECTED
-                        || *code == SqlState::ADMIN_SHUTDOWN
-                        || *code == SqlState::CRASH_SHUTDOWN
-                        || *code == SqlState::CANNOT_CONNECT_NOW
-                        || *code == SqlState::TOO_MANY_CONNECTIONS
-                        || code.code().starts_with("08")
-                }
-            },
+            DbError::Build(_) => Fault::Other,
+            DbError::Vanished(_) => Fault::Unavailable,
+            DbError::Postgres(e) => fault_of(e.code().map(SqlState::code)),
+            DbError::Pool(deadpool_postgres::PoolError::Backend(e)) => {
+                fault_of(e.code().map(SqlState::code))
+            }
+            // Waiting for or creating a connection failed: the server may come back.
+            DbError::Pool(_) => Fault::Unavailable,
         }
+    }
+
+    /// Whether retrying the same work may succeed once the database is back.
+    pub fn is_transient(&self) -> bool {
+        self.fault() == Fault::Unavailable
+    }
+
+    /// Whether the data of the message (or result) itself is refused: only then may it be
+    /// dead-lettered instead of retried.
+    pub fn refuses_data(&self) -> bool {
+        self.fault() == Fault::Refused
+    }
+}
+
+/// A warning for work waiting on the database, written at most once per interval per site,
+/// with the number of retries it stands for: a 70 s outage with 256 calls waiting is a few
+/// lines, not thousands.
+pub struct WaitLog {
+    last: std::sync::Mutex<Option<std::time::Instant>>,
+    retries: std::sync::atomic::AtomicU64,
+}
+
+impl WaitLog {
+    const EVERY: std::time::Duration = std::time::Duration::from_secs(10);
+
+    pub const fn new() -> Self {
+        WaitLog {
+            last: std::sync::Mutex::new(None),
+            retries: std::sync::atomic::AtomicU64::new(0),
+        }
+    }
+
+    pub fn retrying(&self, stage: &str, error: &dyn std::fmt::Display) {
+        use std::sync::atomic::Ordering;
+        let n = self.retries.fetch_add(1, Ordering::Relaxed) + 1;
+        let mut last = self.last.lock().expect("not poisoned");
+        if last.is_none_or(|t| t.elapsed() >= Self::EVERY) {
+            *last = Some(std::time::Instant::now());
+            self.retries.store(0, Ordering::Relaxed);
+            tracing::warn!(stage, error = %error, retries = n, "postgres refuses the work; retrying with backoff");
+        }
+    }
+}
+
+impl Default for WaitLog {
+    fn default() -> Self {
+        Self::new()
     }
 }
 
@@ -80,6 +165,11 @@ fn pg_config_with(cfg: &PostgresConfig, extra: &str) -> Result<tokio_postgres::C
     // The schema is validated as a plain identifier by the config.
     pg.options(format!("-c search_path={}{extra}", cfg.schema));
     pg.application_name("idem");
+    if pg.get_connect_timeout().is_none() {
+        pg.connect_timeout(CONNECT_TIMEOUT);
+    }
+    pg.keepalives(true);
+    pg.keepalives_idle(KEEPALIVE_IDLE);
     Ok(pg)
 }
 
@@ -90,8 +180,23 @@ fn pg_config_with(cfg: &PostgresConfig, extra: &str) -> Result<tokio_postgres::C
 /// being planned anew on every execution, and nothing is JIT-compiled (the price of a scan
 /// priced out would otherwise pass the JIT threshold). Maintenance and people's commands
 /// (prune, explain, approvals) use [`pool`], with the server's settings.
-const DATA_PATH_SETTINGS: &str =
-    " -c enable_seqscan=off -c plan_cache_mode=force_generic_plan -c jit=off";
+///
+/// Every statement is bounded too: no data-path statement should take seconds, and one that
+/// waits on a lock or a stalled disk fails (57014, 55P03: unavailable, retried with backoff)
+/// instead of holding its connection and everything waiting behind it.
+const DATA_PATH_SETTINGS: &str = concat!(
+    " -c enable_seqscan=off -c plan_cache_mode=force_generic_plan -c jit=off",
+    " -c statement_timeout=30000 -c lock_timeout=10000"
+);
+
+/// The data path's `statement_timeout` (ms), restored after a sql tool's own statement.
+pub const DATA_PATH_STATEMENT_TIMEOUT_MS: u64 = 30_000;
+
+/// How long a caller waits for a pooled connection, and for a new one to be made.
+const POOL_WAIT: Duration = Duration::from_secs(10);
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// TCP keepalives find a peer that vanished without a FIN (a cut network, a dead host).
+const KEEPALIVE_IDLE: Duration = Duration::from_secs(30);
 
 /// The pool of the relay's data path: consume, claim, finish, publish, leases and recovery.
 pub fn data_path_pool(cfg: &PostgresConfig) -> Result<Pool, DbError> {
@@ -112,6 +217,9 @@ fn pool_of(pg: tokio_postgres::Config, size: usize) -> Result<Pool, DbError> {
     );
     Pool::builder(manager)
         .max_size(size)
+        .wait_timeout(Some(POOL_WAIT))
+        .create_timeout(Some(CONNECT_TIMEOUT))
+        .recycle_timeout(Some(CONNECT_TIMEOUT))
         .runtime(deadpool_postgres::Runtime::Tokio1)
         .build()
         .map_err(|e| DbError::Build(e.to_string()))
@@ -164,4 +272,36 @@ pub async fn migrate(cfg: &PostgresConfig) -> Result<Vec<i32>, DbError> {
 /// The newest migration this binary knows.
 pub fn latest_version() -> i32 {
     MIGRATIONS.last().map_or(0, |m| m.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sqlstates_are_sorted_into_unavailable_refused_and_other() {
+        for code in [
+            None,
+            Some("08006"), // connection failure
+            Some("08001"),
+            Some("25006"), // read-only transaction
+            Some("40001"), // serialization failure
+            Some("40P01"), // deadlock
+            Some("53100"), // disk full
+            Some("53300"), // too many connections
+            Some("57014"), // query cancelled (statement_timeout)
+            Some("57P01"), // admin shutdown
+            Some("57P03"), // cannot connect now
+            Some("58030"), // I/O error
+            Some("55P03"), // lock not available (lock_timeout)
+        ] {
+            assert_eq!(fault_of(code), Fault::Unavailable, "{code:?}");
+        }
+        for code in ["22001", "22P02", "23505", "23514", "54000"] {
+            assert_eq!(fault_of(Some(code)), Fault::Refused, "{code}");
+        }
+        for code in ["42P01", "42601", "XX000", "0A000"] {
+            assert_eq!(fault_of(Some(code)), Fault::Other, "{code}");
+        }
+    }
 }

@@ -29,9 +29,10 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use crate::answer::KeyState;
+use crate::attempt_log;
 use crate::batch::{BatchError, Batcher};
 use crate::config::{Config, Executor as ExecutorKind, RetryPolicy, SqlParam, Tool, ToolClass};
-use crate::db::{self, DbError};
+use crate::db::{self, DbError, DATA_PATH_STATEMENT_TIMEOUT_MS};
 use crate::event::{ActionData, OutcomeError, OutcomeStatus};
 use crate::http::{self, Attempt, Verified};
 use crate::key;
@@ -75,25 +76,33 @@ async fn finish_group(
     Ok(states)
 }
 
-/// Retries transient database trouble with backoff for up to a minute: the intent is durable
-/// and its lease keeps it ours meanwhile; past that, the lease lapses and recovery settles it.
-async fn with_retry<T, F, Fut>(what: &str, f: F) -> Result<T, ExecError>
+/// Retries work the database cannot do now (down, read-only, out of space) with backoff, for
+/// as long as it takes: every write of a claim is fenced by its epoch, so a write that comes
+/// back after another relay took the key over is refused, never applied twice. A call's result
+/// is never dropped because Postgres was briefly away. Shutdown aborts the wait (the lease then
+/// lapses and recovery reads the attempt log).
+async fn with_retry<T, F, Fut>(metrics: &Metrics, stage: &'static str, f: F) -> Result<T, ExecError>
 where
     F: Fn() -> Fut,
     Fut: std::future::Future<Output = Result<T, ExecError>>,
 {
-    let deadline = Instant::now() + Duration::from_secs(60);
+    static WAIT: db::WaitLog = db::WaitLog::new();
     let mut backoff = Duration::from_millis(50);
     loop {
         match f().await {
             Ok(v) => return Ok(v),
-            Err(e) if e.is_transient() && Instant::now() < deadline => {
-                tracing::warn!(error = %e, what, "database unavailable; retrying");
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(Duration::from_secs(5));
+            Err(ExecError::Db(e)) if e.is_transient() => {
+                metrics.postgres_unavailable(stage);
+                WAIT.retrying(stage, &e);
+            }
+            Err(ExecError::Batch(e)) if e.transient => {
+                metrics.postgres_unavailable(stage);
+                WAIT.retrying(stage, &e.message);
             }
             Err(e) => return Err(e),
         }
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(Duration::from_secs(5));
     }
 }
 
@@ -139,6 +148,8 @@ pub struct Executor {
     /// Group commit of claims and of http outcomes.
     claims: Batcher<i64, Result<Option<Claimed>, BatchError>>,
     finishes: Batcher<Finish, Result<Option<KeyState>, BatchError>>,
+    /// Group commit of the lease re-checks made before a queued claim's first send.
+    fences: Batcher<store::Fence, Result<bool, BatchError>>,
     tasks: Mutex<JoinSet<()>>,
 }
 
@@ -179,6 +190,23 @@ impl Executor {
                 }
             })
         };
+        let fences = {
+            let pool = pool.clone();
+            Batcher::spawn(BATCH, BATCH_WORKERS, move |items: Vec<store::Fence>| {
+                let pool = pool.clone();
+                async move {
+                    let held = async {
+                        let client = pool.get().await?;
+                        store::fence_many(&client, &items, lease).await
+                    }
+                    .await;
+                    match held {
+                        Ok(held) => items.iter().map(|f| Ok(held.contains(&f.id))).collect(),
+                        Err(e) => vec![Err(BatchError::from(&e)); items.len()],
+                    }
+                }
+            })
+        };
         let finishes = {
             let (pool, channel) = (pool.clone(), channel.clone());
             Batcher::spawn(BATCH, BATCH_WORKERS, move |items: Vec<Finish>| {
@@ -187,7 +215,7 @@ impl Executor {
                     match finish_group(&pool, &items, &channel).await {
                         Ok(states) => states.into_iter().map(Ok).collect(),
                         // One result the database refuses must not fail the others.
-                        Err(e) if !e.is_transient() && items.len() > 1 => {
+                        Err(e) if e.refuses_data() && items.len() > 1 => {
                             let mut answers = Vec::with_capacity(items.len());
                             for item in &items {
                                 answers.push(
@@ -210,6 +238,7 @@ impl Executor {
             config: config.clone(),
             claims,
             finishes,
+            fences,
             pool,
             tools,
             tool_permits,
@@ -311,12 +340,14 @@ impl Executor {
     /// Claim (batched with other claims) unless claimed already, call, record (batched with
     /// other records).
     async fn execute(&self, work: Work, permits: CallPermits) -> Result<(), ExecError> {
-        let claimed = match work {
-            Work::Claimed(c) => *c,
-            Work::Pending(id) => match with_retry("claim", || ask(&self.claims, id)).await? {
-                Some(c) => c,
-                None => return Ok(()), // somebody else has it, or it is already settled
-            },
+        let (claimed, waited) = match work {
+            Work::Claimed(c) => (*c, true),
+            Work::Pending(id) => {
+                match with_retry(&self.metrics, "claim", || ask(&self.claims, id)).await? {
+                    Some(c) => (c, false),
+                    None => return Ok(()), // somebody else has it, or it is already settled
+                }
+            }
         };
         let span = tracing::info_span!("action", key = %claimed.key, tool = %claimed.tool, run_id = %claimed.run_id);
         let _enter = span.enter();
@@ -343,7 +374,7 @@ impl Executor {
         self.metrics.inflight.inc();
         match &tool.executor {
             ExecutorKind::Http(_) => {
-                let called = self.call_http(&tool, &claimed).await;
+                let called = self.call_http(&tool, &claimed, waited).await;
                 self.metrics.inflight.dec();
                 let (settled, end) = called?;
                 // The downstream is done with this call: the next one starts while this outcome
@@ -360,7 +391,8 @@ impl Executor {
             }
             ExecutorKind::Sql(_) => {
                 // The statement runs in the outcome transaction: recording is the call.
-                let result = with_retry("record", || self.record_sql(&claimed, &tool)).await;
+                let result =
+                    with_retry(&self.metrics, "record", || self.record_sql(&claimed, &tool)).await;
                 self.metrics.inflight.dec();
                 result
             }
@@ -369,11 +401,14 @@ impl Executor {
 
     /// Runs the http call with the tool's retry policy, logging every attempt. Retries only
     /// when the effect certainly did not happen, or when the tool is idempotent; an ambiguous
-    /// result of a dangerous tool is verified downstream, or parked `unknown`.
+    /// result of a dangerous tool is verified downstream, or parked `unknown`. `waited`: the
+    /// claim was made when the intent was recorded and waited in the queue since, so its lease
+    /// is re-checked before the first send.
     async fn call_http(
         &self,
         tool: &Tool,
         c: &Claimed,
+        waited: bool,
     ) -> Result<(Settled, AttemptEnd), ExecError> {
         let ExecutorKind::Http(exec) = &tool.executor else {
             unreachable!("http tool")
@@ -388,7 +423,22 @@ impl Executor {
         let mut verifying = c.needs_verify;
         let mut calls = 0;
         let mut verifications = 0;
+        // Until the last call that may have happened has run out its timeout, the downstream
+        // may still be processing it: a "not done" before then concludes nothing.
+        let mut deadline = if c.needs_verify {
+            c.since_call
+                .map(|age| Instant::now() + exec.timeout.saturating_sub(age))
+        } else {
+            None
+        };
         let reason = c.reason.clone();
+        let why_next = |calls: i32| {
+            if calls == 0 {
+                reason.clone()
+            } else {
+                "transport_retry".to_string()
+            }
+        };
         loop {
             if verifying {
                 let (v, url) = (tool.verify.as_ref(), verify_url.as_deref());
@@ -405,9 +455,13 @@ impl Executor {
                         end,
                     ));
                 };
-                verifications += 1;
+                crash_point!("before-verify");
                 let (verified, status, took) = http::verify(&self.http, v, url, &c.key).await;
                 let status = status.map(i32::from);
+                let verified = match (verified, deadline) {
+                    (Verified::NotDone, Some(d)) if Instant::now() < d => Verified::Premature(d),
+                    (v, _) => v,
+                };
                 match verified {
                     Verified::Done(result) => {
                         self.metrics.verification(&tool.name, "done");
@@ -437,17 +491,26 @@ impl Executor {
                         }
                         self.end(c, end).await?;
                         // Certainly not done: safe to call again.
-                        let why = if calls == 0 {
-                            reason.as_str()
-                        } else {
-                            "transport_retry"
-                        };
-                        seq = self.begin(c, "call", why).await?;
+                        seq = self.begin(c, "call", &why_next(calls)).await?;
                         verifying = false;
                         self.metrics.retry(&tool.name, "verified_not_done");
                         continue;
                     }
+                    Verified::Premature(until) => {
+                        self.metrics.verification(&tool.name, "inconclusive");
+                        let detail = "not done so far, but the call may still be in flight until its timeout";
+                        self.end(
+                            c,
+                            AttemptEnd::new(seq, "inconclusive", status, Some(detail.into()), took),
+                        )
+                        .await?;
+                        crash_point!("verify-backoff");
+                        tokio::time::sleep_until(until.into()).await;
+                        seq = self.begin(c, "verify", &why_next(calls)).await?;
+                        continue;
+                    }
                     Verified::Inconclusive(detail) => {
+                        verifications += 1;
                         self.metrics.verification(&tool.name, "inconclusive");
                         if verifications >= v.max_attempts {
                             let end = AttemptEnd::new(
@@ -464,6 +527,7 @@ impl Executor {
                             AttemptEnd::new(seq, "inconclusive", status, Some(detail), took),
                         )
                         .await?;
+                        crash_point!("verify-backoff");
                         tokio::time::sleep(backoff(
                             &RetryPolicy {
                                 max_attempts: v.max_attempts,
@@ -474,23 +538,37 @@ impl Executor {
                             None,
                         ))
                         .await;
-                        seq = self
-                            .begin(
-                                c,
-                                "verify",
-                                if calls == 0 {
-                                    reason.as_str()
-                                } else {
-                                    "transport_retry"
-                                },
-                            )
-                            .await?;
+                        seq = self.begin(c, "verify", &why_next(calls)).await?;
                         continue;
                     }
                 }
             }
 
+            if c.attempts + calls >= tool.retry.max_attempts as i32 {
+                // Earlier claims spent the budget (calls that may have happened count, and
+                // verification said they did not).
+                let message = format!(
+                    "not done, and the {} calls allowed were all made",
+                    tool.retry.max_attempts
+                );
+                let end = AttemptEnd::new(
+                    seq,
+                    "not_sent",
+                    None,
+                    Some("retry budget spent".into()),
+                    Duration::ZERO,
+                );
+                return Ok((
+                    Settled::not_done("downstream_unavailable", message, calls),
+                    end,
+                ));
+            }
+            if waited && calls == 0 && seq == c.seq {
+                // Claimed when recorded, then queued: the claim must still be ours.
+                self.fence(c).await?;
+            }
             calls += 1;
+            deadline = Some(Instant::now() + exec.timeout);
             let (attempt, took) = http::call(
                 &self.http,
                 exec,
@@ -587,6 +665,20 @@ impl Executor {
         }
     }
 
+    /// Re-checks a queued claim's lease and epoch just before its first send.
+    async fn fence(&self, c: &Claimed) -> Result<(), ExecError> {
+        let item = store::Fence {
+            id: c.id,
+            epoch: c.epoch,
+            seq: c.seq,
+        };
+        if with_retry(&self.metrics, "fence", || ask(&self.fences, item)).await? {
+            Ok(())
+        } else {
+            Err(ExecError::Fenced)
+        }
+    }
+
     fn unknown(&self, tool: &Tool, why: &str, calls: i32) -> Settled {
         self.metrics.unknown_outcome(&tool.name);
         Settled::new(
@@ -599,7 +691,7 @@ impl Executor {
 
     /// Opens the next attempt row; a lost claim ends the call here.
     async fn begin(&self, c: &Claimed, kind: &str, reason: &str) -> Result<i32, ExecError> {
-        with_retry("begin attempt", || async {
+        with_retry(&self.metrics, "begin attempt", || async {
             let client = self.pool.get().await.map_err(DbError::from)?;
             store::begin_attempt(
                 &**client,
@@ -621,7 +713,7 @@ impl Executor {
     }
 
     async fn end(&self, c: &Claimed, end: AttemptEnd) -> Result<(), ExecError> {
-        with_retry("end attempt", || async {
+        with_retry(&self.metrics, "end attempt", || async {
             let client = self.pool.get().await.map_err(DbError::from)?;
             store::end_attempt(&**client, c.id, &end).await?;
             Ok(())
@@ -642,9 +734,12 @@ impl Executor {
             settled: settled.clone(),
             end,
         };
-        let state = with_retry("record", || ask(&self.finishes, item.clone()))
-            .await?
-            .ok_or(ExecError::Fenced)?;
+        let state = with_retry(&self.metrics, "record", || {
+            ask(&self.finishes, item.clone())
+        })
+        .await?
+        .ok_or(ExecError::Fenced)?;
+        self.metrics.postgres_wrote();
         self.recorded(c, &settled, &state, false);
         Ok(())
     }
@@ -775,22 +870,31 @@ impl Executor {
             .copied()
             .collect();
         let orphans = store::orphans(&tx, 2.0, 500, &local).await?;
+        let lapsed: Vec<i64> = orphans
+            .iter()
+            .filter(|o| o.was_running)
+            .map(|o| o.id)
+            .collect();
+        if !lapsed.is_empty() {
+            store::abandon_attempts(&tx, &lapsed).await?;
+        }
+        let ids: Vec<i64> = orphans.iter().map(|o| o.id).collect();
+        let mut histories = store::histories(&tx, &ids).await?;
         let mut redispatch = Vec::new();
         for o in &orphans {
             if self.local.lock().expect("not poisoned").contains(&o.id) {
                 continue;
             }
-            if o.was_running {
-                store::abandon_attempts(&tx, o.id).await?;
-            }
             let tool = self.tools.get(&o.tool);
             let dangerous_http = o.class == ToolClass::Dangerous.as_str()
                 && tool.is_none_or(|t| matches!(t.executor, ExecutorKind::Http(_)));
             let can_verify = tool.is_some_and(|t| t.verify.is_some());
-            if o.was_running && o.open_call && dangerous_http && !can_verify {
-                // The call began and its end was never recorded: it may have happened, and
-                // nothing can tell. Parked for a person.
-                let epoch = store::take_over(&tx, o.id, &self.owner).await?;
+            let history = histories.remove(&o.id).unwrap_or_default();
+            // The one rule: what the next claim does follows from the durable history alone.
+            let verdict = attempt_log::next_step(&history, dangerous_http);
+            if matches!(verdict.next, attempt_log::Next::Verify { .. }) && !can_verify {
+                // A call may have happened, and nothing can tell. Parked for a person.
+                let epoch = store::take_over(&tx, o.id, &self.owner, verdict.calls).await?;
                 let settled = Settled::new(
                     OutcomeStatus::Unknown,
                     None,
@@ -819,11 +923,7 @@ impl Executor {
                     Err(FinishError::Db(e)) => return Err(e),
                 }
             } else {
-                if o.was_running {
-                    // A dangerous call that may have happened is verified before anything else;
-                    // sql effects rolled back with their transaction; other classes may repeat.
-                    store::release(&tx, o.id, o.open_call && dangerous_http).await?;
-                }
+                store::requeue(&tx, o.id, &verdict).await?;
                 redispatch.push((o.id, o.tool.clone()));
             }
         }
@@ -873,16 +973,6 @@ enum ExecError {
     Db(#[from] DbError),
     #[error(transparent)]
     Batch(BatchError),
-}
-
-impl ExecError {
-    fn is_transient(&self) -> bool {
-        match self {
-            ExecError::Fenced => false,
-            ExecError::Db(e) => e.is_transient(),
-            ExecError::Batch(e) => e.transient,
-        }
-    }
 }
 
 impl From<tokio_postgres::Error> for ExecError {
@@ -1001,10 +1091,13 @@ async fn run_sql(
         .iter()
         .map(|t| t as &(dyn tokio_postgres::types::ToSql + Sync))
         .collect();
-    // The tool's own statement plans with the server's settings, not the data path's.
-    tx.batch_execute(
-        "savepoint idem_tool; set local enable_seqscan = on; set local plan_cache_mode = auto",
-    )
+    // The tool's own statement plans with the server's settings, not the data path's, and is
+    // bounded by the tool's timeout (a whole number of milliseconds, not user text).
+    tx.batch_execute(&format!(
+        "savepoint idem_tool; set local enable_seqscan = on; set local plan_cache_mode = auto; \
+         set local statement_timeout = {}",
+        exec.timeout.as_millis().max(1)
+    ))
     .await?;
     let started = Instant::now();
     let typed = tx
@@ -1019,12 +1112,18 @@ async fn run_sql(
     };
     let settled = match outcome {
         Ok(rows) => {
-            tx.batch_execute("release savepoint idem_tool").await?;
+            tx.batch_execute(&format!(
+                "release savepoint idem_tool; set local statement_timeout = {DATA_PATH_STATEMENT_TIMEOUT_MS}"
+            ))
+            .await?;
             let result = rows.first().map(row_json).unwrap_or(Value::Null);
             Settled::new(OutcomeStatus::Succeeded, Some(result), None, 1)
         }
         Err(e) => {
-            tx.batch_execute("rollback to savepoint idem_tool").await?;
+            tx.batch_execute(&format!(
+                "rollback to savepoint idem_tool; set local statement_timeout = {DATA_PATH_STATEMENT_TIMEOUT_MS}"
+            ))
+            .await?;
             let state = db::sqlstate(&e).unwrap_or_default();
             Settled::new(
                 OutcomeStatus::Failed,

@@ -10,6 +10,10 @@
 //!   `"effect_then_500"`, `"effect_then_drop"`, `"fail_500"`, `"drop"`, `{"status": N}` (no effect),
 //!   `{"status": 429, "retry_after": S}`.
 //!
+//!   With `"verify": true` the steps script the verify endpoint instead: `{"status": N}` answers N
+//!   (503: inconclusive), anything else answers as usual.
+//! - `GET /_counts` also counts verifications: `"verifications": N`.
+//!
 //! With `honor_key`, a repeated key returns its first result without a new effect, like a
 //! well-behaved API; without it (the default) every request performs an effect.
 
@@ -51,6 +55,9 @@ struct Inner {
     first_result: HashMap<String, Value>,
     script_any: VecDeque<Step>,
     script_by_key: HashMap<String, VecDeque<Step>>,
+    /// Scripted answers of the verify endpoint, per key.
+    verify_script: HashMap<String, VecDeque<Step>>,
+    verifications: u64,
     /// The `traceparent` header of the last request per key.
     traceparents: HashMap<String, String>,
 }
@@ -161,6 +168,22 @@ impl FakeDownstream {
                 .extend(steps),
             None => inner.script_any.extend(steps),
         }
+    }
+
+    /// Scripts the next verifications of `key`.
+    pub fn script_verify(&self, key: &str, steps: Vec<Step>) {
+        self.inner
+            .lock()
+            .expect("not poisoned")
+            .verify_script
+            .entry(key.to_string())
+            .or_default()
+            .extend(steps);
+    }
+
+    /// Verification requests served.
+    pub fn verifications(&self) -> u64 {
+        self.inner.lock().expect("not poisoned").verifications
     }
 
     fn next_step(&self, key: &str) -> Step {
@@ -279,7 +302,16 @@ async fn effect(
 }
 
 async fn verify(State(d): State<FakeDownstream>, Path(key): Path<String>) -> Response {
-    let inner = d.inner.lock().expect("not poisoned");
+    let mut inner = d.inner.lock().expect("not poisoned");
+    inner.verifications += 1;
+    let step = inner
+        .verify_script
+        .get_mut(&key)
+        .and_then(VecDeque::pop_front);
+    if let Some(Step::Status { status, .. }) = step {
+        let code = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        return (code, Json(json!({"error": format!("scripted {status}")}))).into_response();
+    }
     match inner.first_result.get(&key) {
         Some(r) => Json(r.clone()).into_response(),
         None => (
@@ -292,16 +324,27 @@ async fn verify(State(d): State<FakeDownstream>, Path(key): Path<String>) -> Res
 
 async fn counts(State(d): State<FakeDownstream>) -> Json<Value> {
     let inner = d.inner.lock().expect("not poisoned");
-    Json(json!({"total": inner.total, "requests": inner.requests, "by_key": inner.by_key}))
+    Json(json!({
+        "total": inner.total,
+        "requests": inner.requests,
+        "verifications": inner.verifications,
+        "by_key": inner.by_key
+    }))
 }
 
 #[derive(Deserialize)]
 struct ScriptBody {
     key: Option<String>,
     steps: Vec<Step>,
+    #[serde(default)]
+    verify: bool,
 }
 
 async fn script(State(d): State<FakeDownstream>, Json(body): Json<ScriptBody>) -> StatusCode {
-    d.script(body.key.as_deref(), body.steps);
+    match (body.verify, body.key.as_deref()) {
+        (true, Some(key)) => d.script_verify(key, body.steps),
+        (true, None) => return StatusCode::UNPROCESSABLE_ENTITY,
+        (false, key) => d.script(key, body.steps),
+    }
     StatusCode::NO_CONTENT
 }

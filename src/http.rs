@@ -218,6 +218,9 @@ pub enum Verified {
     NotDone,
     /// Anything else: ask again later.
     Inconclusive(String),
+    /// 404 while the call may still be in flight (before its start plus the tool's timeout):
+    /// concludes nothing until this instant.
+    Premature(Instant),
 }
 
 /// Asks the downstream whether the effect of `idem_key` happened.

@@ -27,6 +27,7 @@
 
 pub mod admin;
 pub mod answer;
+pub mod attempt_log;
 pub mod batch;
 pub mod config;
 pub mod consume;

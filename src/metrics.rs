@@ -62,6 +62,10 @@ pub struct Metrics {
     pub inflight: IntGauge,
     messages_consumed: IntCounterVec,
     outcomes_published: IntCounterVec,
+    postgres_retries: IntCounterVec,
+    /// 1 while the relay's last write to Postgres went through; 0 while writes fail (down,
+    /// read-only, out of space). `/readyz` reads it too.
+    postgres_writable: IntGauge,
 }
 
 /// Registers collectors and remembers their names, so the dashboard and alert rules can be
@@ -154,7 +158,18 @@ impl Metrics {
             IntGauge::new("idem_inflight", "Downstream calls in flight now.")
                 .expect("valid metric"),
         );
+        let postgres_writable = r.add(
+            "idem_postgres_writable",
+            IntGauge::new(
+                "idem_postgres_writable",
+                "1 while writes to Postgres succeed, 0 while the relay waits for it to accept writes again.",
+            )
+            .expect("valid metric"),
+        );
+        postgres_writable.set(1);
         Metrics {
+            postgres_writable,
+            postgres_retries: r.counter("idem_postgres_retries_total", "Database work retried because Postgres was unavailable, read-only or out of resources, by stage.", &["stage"]),
             actions: r.counter("idem_actions_total", "Outcomes recorded for actions, by status.", &["tool", "status"]),
             side_effects: r.counter("idem_side_effects_total", "Downstream calls that performed an effect, as far as known.", &["tool"]),
             duplicates: r.counter("idem_duplicates_total", "Repeats suppressed, by the layer that caused them.", &["tool", "origin"]),
@@ -272,5 +287,20 @@ impl Metrics {
         self.outcomes_published
             .with_label_values(&[topic])
             .inc_by(n);
+    }
+
+    /// Work at `stage` waits for Postgres to accept it again.
+    pub fn postgres_unavailable(&self, stage: &str) {
+        self.postgres_retries.with_label_values(&[stage]).inc();
+        self.postgres_writable.set(0);
+    }
+
+    /// A write went through.
+    pub fn postgres_wrote(&self) {
+        self.postgres_writable.set(1);
+    }
+
+    pub fn postgres_is_writable(&self) -> bool {
+        self.postgres_writable.get() == 1
     }
 }

@@ -2,6 +2,7 @@
 //! Queries are constants next to the code that runs them; parameters are never formatted in.
 
 use std::collections::{HashMap, HashSet};
+use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use deadpool_postgres::Transaction;
@@ -9,6 +10,7 @@ use serde_json::{Map, Value};
 use tokio_postgres::GenericClient;
 
 use crate::answer::{self, KeyState};
+use crate::attempt_log;
 use crate::config::{Tool, ToolClass};
 use crate::db::DbError;
 use crate::event::{ActionEvent, Outcome, OutcomeError, OutcomeStatus, PartialAction};
@@ -125,6 +127,7 @@ impl KeyedAction {
             attempts: 0,
             epoch: 1,
             needs_verify: false,
+            since_call: None,
             reason: "first".into(),
             seq: 1,
         }
@@ -472,6 +475,9 @@ pub async fn record_batch(
         Incoming::Action(a) => a.as_ref(),
         Incoming::Rejected { .. } => unreachable!("only actions are inserted"),
     };
+    // Keys refused here are not recorded: a repeat of one later in this batch gets the same
+    // refusal (step 5).
+    let mut refused: HashMap<&str, (&'static str, String)> = HashMap::new();
     if !to_insert.is_empty() {
         let reattempt_keys: Vec<&KeyedAction> = to_insert
             .iter()
@@ -514,6 +520,7 @@ pub async fn record_batch(
                 }
             };
             let Some((code, message)) = refusal else { return true };
+            refused.insert(a.key.as_str(), (code, message.clone()));
             let state = a.state(OutcomeStatus::Rejected, Some(gate_error(code, message)));
             outbox.push(answer::rejected_gate(&state, a.event.traceparent.clone()));
             deliveries.push(None, &a.key, &a.event.id, &a.pos, Origin::First, true);
@@ -736,9 +743,19 @@ pub async fn record_batch(
                 continue;
             }
             let Some(k) = existing.get(&a.key) else {
-                // Cannot happen: the key was inserted in this transaction or before it.
-                tracing::error!(key = %a.key, "repeat of a key with no stored intent");
-                continue;
+                if let Some((code, message)) = refused.get(a.key.as_str()) {
+                    let error = gate_error(code, message.clone());
+                    let state = a.state(OutcomeStatus::Rejected, Some(error));
+                    outbox.push(answer::rejected_gate(&state, a.event.traceparent.clone()));
+                    deliveries.push(None, &a.key, &a.event.id, &a.pos, Origin::First, true);
+                    result.origins.push((a.tool.clone(), Origin::First));
+                    result.rejections.push((a.tool.clone(), code));
+                    continue;
+                }
+                // The key was inserted in this transaction or before it, and nothing deletes
+                // an intent but prune, which keeps a tombstone: if it is gone all the same,
+                // the batch is recorded again from the start rather than leave it unanswered.
+                return Err(DbError::Vanished(a.key.clone()));
             };
             if k.fingerprint != a.fingerprint {
                 let fields = key::differing_fields(&k.material, &a.material);
@@ -922,6 +939,9 @@ pub struct Claimed {
     pub epoch: i64,
     /// An earlier call may have happened: verify before calling.
     pub needs_verify: bool,
+    /// How long ago the key's last call started (database clock), when it had one: a
+    /// verification answering "not done" concludes only once that call's deadline has passed.
+    pub since_call: Option<Duration>,
     /// Why this claim calls: `first`, `recovery` or `manual`.
     pub reason: String,
     /// The attempt row the claim opened (a call, or a verification when `needs_verify`).
@@ -954,10 +974,12 @@ const BEGIN_ATTEMPT: &str = "
       from i
     returning seq";
 
+// Never over an end already written: recovery may have closed it `abandoned` meanwhile, and
+// what it read then is what the history says.
 const END_ATTEMPT: &str = "
     update attempts set ended_at = now(), classification = $3, http_status = $4, error = $5,
                         latency_ms = $6
-     where intent_id = $1 and seq = $2";
+     where intent_id = $1 and seq = $2 and ended_at is null";
 
 /// Opens the next attempt row; `None` when the claim was lost.
 pub async fn begin_attempt(
@@ -1167,9 +1189,7 @@ pub async fn finish(
 /// Intents left behind: recorded but never claimed (a relay died before dispatching them), or
 /// claimed by a relay whose lease ran out.
 const SELECT_ORPHANS: &str = "
-    select id, status, class, tool, lease_epoch,
-           exists (select 1 from attempts a
-                    where a.intent_id = intents.id and a.kind = 'call' and a.ended_at is null)
+    select id, status, class, tool
       from intents
      where ((status = 'pending' and updated_at < now() - make_interval(secs => $1))
             or (status = 'running' and lease_expires_at < now()))
@@ -1178,26 +1198,32 @@ const SELECT_ORPHANS: &str = "
      limit $2
      for update skip locked";
 
-// A claim that ran out: its open attempts were abandoned mid-way.
-// A claim that ran out: its open attempts were abandoned mid-way, and the calls among them
-// count as made.
+// A claim that ran out: its open attempts were abandoned mid-way. What they may have done is
+// read back from the history by the attempt log's rule.
 const ABANDON_ATTEMPTS: &str = "
-    with a as (
-        update attempts set ended_at = now(), classification = 'abandoned'
-         where intent_id = $1 and ended_at is null
-        returning kind
-    )
-    update intents set attempts = attempts + (select count(*) from a where kind = 'call')
-     where id = $1";
+    update attempts set ended_at = now(), classification = 'abandoned'
+     where intent_id = any($1) and ended_at is null";
 
-const RELEASE: &str = "
+// Every attempt of the orphans, in order, with its age by the database's clock.
+const SELECT_HISTORY: &str = "
+    select intent_id, kind, classification,
+           extract(epoch from now() - started_at)::float8 as age_secs
+      from attempts
+     where intent_id = any($1)
+     order by intent_id, seq";
+
+// Hands an orphan to the next claim with the attempt log's verdict: verify first or call, and
+// the calls that count against the retry budget.
+const REQUEUE: &str = "
     update intents set status = 'pending', lease_owner = null, lease_expires_at = null,
                        lease_epoch = lease_epoch + 1, updated_at = now(),
-                       next_reason = 'recovery', needs_verify = needs_verify or $2
+                       next_reason = case when status = 'running' then 'recovery' else next_reason end,
+                       needs_verify = $2, attempts = greatest(attempts, $3)
      where id = $1";
 
 const TAKE_OVER: &str = "
-    update intents set lease_owner = $2, lease_epoch = lease_epoch + 1
+    update intents set status = 'running', lease_owner = $2, lease_epoch = lease_epoch + 1,
+                       attempts = greatest(attempts, $3)
      where id = $1
     returning lease_epoch";
 
@@ -1208,8 +1234,6 @@ pub struct Orphan {
     pub was_running: bool,
     pub class: String,
     pub tool: String,
-    /// A call began and its end was never recorded: it may have happened.
-    pub open_call: bool,
 }
 
 /// Lists orphans (locking them for this transaction) without changing them.
@@ -1224,31 +1248,64 @@ pub async fn orphans(
         .await?
         .iter()
         .map(|r| Orphan {
-            id: r.get(0),
-            was_running: r.get::<_, String>(1) == "running",
-            class: r.get(2),
-            tool: r.get(3),
-            open_call: r.get(5),
+            id: r.get("id"),
+            was_running: r.get::<_, String>("status") == "running",
+            class: r.get("class"),
+            tool: r.get("tool"),
         })
         .collect())
 }
 
-/// Closes the attempts a dead claim left open.
-pub async fn abandon_attempts(tx: &Transaction<'_>, id: i64) -> Result<(), DbError> {
-    tx.execute(ABANDON_ATTEMPTS, &[&id]).await?;
+/// Closes the attempts dead claims left open.
+pub async fn abandon_attempts(tx: &Transaction<'_>, ids: &[i64]) -> Result<(), DbError> {
+    tx.execute(ABANDON_ATTEMPTS, &[&ids]).await?;
     Ok(())
 }
 
-/// Makes an expired claim claimable again; with `verify`, the next claim looks downstream
-/// before it calls.
-pub async fn release(tx: &Transaction<'_>, id: i64, verify: bool) -> Result<(), DbError> {
-    tx.execute(RELEASE, &[&id, &verify]).await?;
+/// The attempt log of each of `ids`, in order.
+pub async fn histories(
+    tx: &Transaction<'_>,
+    ids: &[i64],
+) -> Result<HashMap<i64, Vec<attempt_log::Past>>, DbError> {
+    let mut out: HashMap<i64, Vec<attempt_log::Past>> = HashMap::new();
+    for r in tx.query(SELECT_HISTORY, &[&ids]).await? {
+        let classification: Option<String> = r.get("classification");
+        out.entry(r.get("intent_id"))
+            .or_default()
+            .push(attempt_log::Past {
+                kind: attempt_log::Kind::parse(r.get("kind")),
+                ended: classification.as_deref().map(|c| {
+                    // An unknown word is read as the worst case: it may have happened.
+                    attempt_log::Ended::parse(c).unwrap_or(attempt_log::Ended::Abandoned)
+                }),
+                age: Duration::from_secs_f64(r.get::<_, f64>("age_secs").max(0.0)),
+            });
+    }
+    Ok(out)
+}
+
+/// Makes an orphan claimable again, with what the attempt log says its next claim does.
+pub async fn requeue(
+    tx: &Transaction<'_>,
+    id: i64,
+    verdict: &attempt_log::Verdict,
+) -> Result<(), DbError> {
+    let verify = matches!(verdict.next, attempt_log::Next::Verify { .. });
+    tx.execute(REQUEUE, &[&id, &verify, &verdict.calls]).await?;
     Ok(())
 }
 
-/// Takes over an expired claim, fencing out its old owner; returns the new epoch.
-pub async fn take_over(tx: &Transaction<'_>, id: i64, owner: &str) -> Result<i64, DbError> {
-    Ok(tx.query_one(TAKE_OVER, &[&id, &owner]).await?.get(0))
+/// Takes over an orphan, fencing out its old owner; returns the new epoch.
+pub async fn take_over(
+    tx: &Transaction<'_>,
+    id: i64,
+    owner: &str,
+    calls: i32,
+) -> Result<i64, DbError> {
+    Ok(tx
+        .query_one(TAKE_OVER, &[&id, &owner, &calls])
+        .await?
+        .get(0))
 }
 
 const PARKED: &str = "select status, count(*) from intents where status in ('unknown', 'pending_approval') group by status";
@@ -1328,7 +1385,9 @@ const CLAIM_MANY: &str = "
          where i.id = l.id and i.status = 'pending'
         returning i.id, i.idempotency_key, i.tool, i.run_id, i.step, i.business_id, i.args,
                   i.action_event_id, i.traceparent, coalesce(i.event_time, i.created_at) as started,
-                  i.attempts, i.lease_epoch, i.needs_verify, i.next_reason
+                  i.attempts, i.lease_epoch, i.needs_verify, i.next_reason,
+                  (select extract(epoch from now() - max(p.started_at))::float8
+                     from attempts p where p.intent_id = i.id and p.kind = 'call') as since_call
     ), a as (
         insert into attempts (intent_id, idempotency_key, seq, kind, reason, owner, lease_epoch)
         select c.id, c.idempotency_key,
@@ -1372,10 +1431,60 @@ pub async fn claim_many(
                 epoch: row.get(11),
                 needs_verify: row.get(12),
                 reason: row.get(13),
-                seq: row.get(14),
+                since_call: row
+                    .get::<_, Option<f64>>(14)
+                    .map(|s| Duration::from_secs_f64(s.max(0.0))),
+                seq: row.get(15),
             };
             (c.id, c)
         })
+        .collect())
+}
+
+// Claims that waited in the local queue, re-checked just before their first send: the epoch
+// is still theirs and the lease has not run out (a relay paused past its lease has lost the
+// key to recovery, which may be verifying or calling it). Each lease is renewed for the call,
+// and the call's attempt restarts its clock, so its deadline counts from the send.
+const FENCE_MANY: &str = "
+    with locked as materialized (
+        select id from intents where id = any($1) order by id for update
+    ), f as (
+        update intents i set lease_expires_at = now() + make_interval(secs => $4)
+          from locked l, unnest($1::int8[], $2::int8[]) as u(id, epoch)
+         where i.id = l.id and u.id = i.id and i.lease_epoch = u.epoch
+           and i.status = 'running' and i.lease_expires_at > now()
+        returning i.id
+    ), a as (
+        update attempts a set started_at = now()
+          from unnest($1::int8[], $3::int4[]) as u(id, seq)
+         where a.intent_id = u.id and a.seq = u.seq and a.ended_at is null
+           and u.id = any(array(select id from f))
+    )
+    select id from f";
+
+/// One claim to re-check before its first send.
+#[derive(Debug, Clone, Copy)]
+pub struct Fence {
+    pub id: i64,
+    pub epoch: i64,
+    pub seq: i32,
+}
+
+/// Re-checks many claims at once; answers which still hold.
+pub async fn fence_many(
+    client: &deadpool_postgres::Client,
+    items: &[Fence],
+    lease_secs: f64,
+) -> Result<HashSet<i64>, DbError> {
+    let ids: Vec<i64> = items.iter().map(|f| f.id).collect();
+    let epochs: Vec<i64> = items.iter().map(|f| f.epoch).collect();
+    let seqs: Vec<i32> = items.iter().map(|f| f.seq).collect();
+    let statement = client.prepare_cached(FENCE_MANY).await?;
+    Ok(client
+        .query(&statement, &[&ids, &epochs, &seqs, &lease_secs])
+        .await?
+        .iter()
+        .map(|r| r.get(0))
         .collect())
 }
 

@@ -168,13 +168,20 @@ async fn lost_reply_and_fake_error_are_verified_not_resent() {
     }
     assert_eq!(env.downstream.effects("r3:send_email:lost"), 1);
     assert_eq!(env.downstream.effects("r3:send_email:err"), 1);
-    // 500 with no effect: verify says not done, so it is safely sent again, once.
+    // 500 with no effect: verify says not done, so it is safely sent again, once. A "not done"
+    // before the call's timeout (1s) has passed concludes nothing (the downstream may still be
+    // processing it): verification asks again once the deadline is past.
     assert_eq!(env.downstream.effects("r3:send_email:no"), 1);
     let e = common::explain(&env, "r3:send_email:no").await;
     assert_eq!(
         attempts_of(&e),
         vec![
             ("call".into(), "first".into(), "ambiguous".into()),
+            (
+                "verify".into(),
+                "transport_retry".into(),
+                "inconclusive".into()
+            ),
             ("verify".into(), "transport_retry".into(), "not_done".into()),
             ("call".into(), "transport_retry".into(), "succeeded".into())
         ]
@@ -554,5 +561,143 @@ async fn a_relay_paused_past_its_lease_cannot_record_over_the_new_owner() {
             .iter()
             .any(|(k, _, r)| k == "verify" && r == "done"),
         "{e:#}"
+    );
+}
+
+/// Issue 12: a relay killed while it verified an ambiguous call sent the effect again. The call
+/// ended `ambiguous` and a verification was opened; recovery found no open *call*, released the
+/// key without verify, and the next claim called again. Now the attempt log decides: the next
+/// claim's first attempt is a verification, and the effect happens once. Killed right before
+/// the verification's request, and inside the backoff after an inconclusive one.
+#[tokio::test]
+async fn a_relay_killed_while_verifying_never_sends_the_effect_again() {
+    for failpoint in ["before-verify", "verify-backoff"] {
+        let env = Env::new().await;
+        let dir = tempfile::tempdir().unwrap();
+        let config = common::config_file(&env, dir.path(), &email_tool(true), "").await;
+        let key = "r10:send_email:b1";
+        // The effect happens and the downstream answers 500; verification is unavailable for
+        // a while (inconclusive), then answers.
+        env.downstream
+            .script(Some(key), vec![Step::Named("effect_then_500".into())]);
+        env.downstream.script_verify(
+            key,
+            vec![
+                Step::Status {
+                    status: 503,
+                    retry_after: None,
+                },
+                Step::Status {
+                    status: 503,
+                    retry_after: None,
+                },
+            ],
+        );
+        let outcomes = env.outcomes().await;
+        let mut relay = Child::spawn(
+            &config,
+            Some(&format!("{failpoint}=return")),
+            dir.path().join("1.log"),
+        );
+        env.producer().send(&action("e1", email("r10", "b1"))).await;
+        relay.exited(Duration::from_secs(60)).await;
+        assert_eq!(
+            env.downstream.effects(key),
+            1,
+            "{failpoint}: the call's effect"
+        );
+
+        let _relay = Child::spawn(&config, None, dir.path().join("2.log"));
+        let o = outcomes.answer("e1", "succeeded").await;
+        assert_eq!(o["data"]["result"]["id"], "eff_1", "{failpoint}: {o}");
+        assert_eq!(
+            env.downstream.effects(key),
+            1,
+            "{failpoint}: never sent again"
+        );
+        let calls = attempts_of(&common::explain(&env, key).await);
+        assert_eq!(
+            calls.iter().filter(|(kind, _, _)| kind == "call").count(),
+            1,
+            "{failpoint}: {calls:?}"
+        );
+        assert_eq!(
+            calls[0],
+            ("call".into(), "first".into(), "ambiguous".into()),
+            "{failpoint}"
+        );
+        let recovered: Vec<_> = calls.iter().filter(|(_, r, _)| r == "recovery").collect();
+        assert_eq!(
+            recovered.first().map(|(kind, _, _)| kind.as_str()),
+            Some("verify"),
+            "{failpoint}: the next claim's first attempt verifies: {calls:?}"
+        );
+        assert_eq!(
+            calls.last().unwrap(),
+            &("verify".into(), "recovery".into(), "done".into()),
+            "{failpoint}"
+        );
+    }
+}
+
+/// SIGTERM whose grace ends while a call is being verified: the relay leaves it to recovery,
+/// and the next relay verifies before anything else. Same promise as a kill.
+#[tokio::test]
+async fn a_stop_whose_grace_ends_during_verification_never_sends_the_effect_again() {
+    let env = Env::new().await;
+    let dir = tempfile::tempdir().unwrap();
+    let tools = email_tool(true).replace(
+        "max_attempts = 5, backoff = \"50ms\"",
+        "max_attempts = 100, backoff = \"100ms\"",
+    );
+    let config = common::config_file(&env, dir.path(), &tools, "").await;
+    let text = std::fs::read_to_string(&config)
+        .unwrap()
+        .replace("shutdown_grace = \"10s\"", "shutdown_grace = \"300ms\"");
+    std::fs::write(&config, text).unwrap();
+    let key = "r11:send_email:b1";
+    env.downstream
+        .script(Some(key), vec![Step::Named("effect_then_500".into())]);
+    // Inconclusive for longer than the grace.
+    env.downstream.script_verify(
+        key,
+        (0..15)
+            .map(|_| Step::Status {
+                status: 503,
+                retry_after: None,
+            })
+            .collect(),
+    );
+    let outcomes = env.outcomes().await;
+    let mut relay = Child::spawn(&config, None, dir.path().join("1.log"));
+    env.producer().send(&action("e1", email("r11", "b1"))).await;
+    common::eventually(
+        "verification to have begun",
+        Duration::from_secs(30),
+        || async { env.downstream.verifications() >= 2 },
+    )
+    .await;
+    relay.signal("-TERM");
+    assert!(relay.exited(Duration::from_secs(30)).await.success());
+    assert!(
+        outcomes.answers("e1").is_empty(),
+        "nothing concluded before the stop"
+    );
+    assert_eq!(env.downstream.effects(key), 1);
+
+    let _relay = Child::spawn(&config, None, dir.path().join("2.log"));
+    outcomes.answer("e1", "succeeded").await;
+    assert_eq!(env.downstream.effects(key), 1, "never sent again");
+    let calls = attempts_of(&common::explain(&env, key).await);
+    assert_eq!(
+        calls.iter().filter(|(kind, _, _)| kind == "call").count(),
+        1,
+        "{calls:?}"
+    );
+    let recovered: Vec<_> = calls.iter().filter(|(_, r, _)| r == "recovery").collect();
+    assert_eq!(
+        recovered.first().map(|(kind, _, _)| kind.as_str()),
+        Some("verify"),
+        "{calls:?}"
     );
 }
