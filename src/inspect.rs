@@ -262,6 +262,17 @@ const REQUEUE: &str = "
                        updated_at = now() - interval '1 hour'
      where id = $1";
 
+// A person who resolves `retry` looked downstream and says the effect did not happen: that is
+// written into the attempt log as a concluded verification, so the attempt log's rule (which
+// recovery follows) allows the next call.
+const RECORD_MANUAL_NOT_DONE: &str = "
+    insert into attempts (intent_id, idempotency_key, seq, kind, reason, owner, lease_epoch,
+                          ended_at, classification, error)
+    select i.id, i.idempotency_key,
+           coalesce((select max(seq) from attempts where intent_id = i.id), 0) + 1,
+           'verify', 'manual', $2, i.lease_epoch, now(), 'not_done', $3
+      from intents i where i.id = $1";
+
 const RECORD_RESOLUTION: &str = "
     insert into resolutions (intent_id, idempotency_key, from_status, resolved_as, resolved_by, reason)
     values ($1, $2, $3, $4, $5, $6)";
@@ -323,6 +334,9 @@ pub async fn resolve(
             }
         }
         None => {
+            let note = format!("{by} resolved it as not done: {reason}");
+            tx.execute(RECORD_MANUAL_NOT_DONE, &[&id, &by, &note])
+                .await?;
             tx.execute(REQUEUE, &[&id]).await?;
         }
     }

@@ -701,3 +701,44 @@ async fn a_stop_whose_grace_ends_during_verification_never_sends_the_effect_agai
         "{calls:?}"
     );
 }
+
+/// A person's `resolve --as retry` is written into the attempt log as a concluded "not done",
+/// so the attempt log's rule allows exactly one new call (without it, recovery would read the
+/// ambiguous call and park the key again).
+#[tokio::test]
+async fn a_key_resolved_as_retry_is_called_again_once() {
+    let env = Env::new().await;
+    let key = "r12:send_email:b1";
+    env.downstream
+        .script(Some(key), vec![Step::Named("fail_500".into())]);
+    let outcomes = env.outcomes().await;
+    let config = env.config(&email_tool(false), "").await;
+    let relay = env.start(config.clone()).await;
+    env.producer().send(&action("e1", email("r12", "b1"))).await;
+    outcomes.answer("e1", "unknown").await;
+    assert_eq!(env.downstream.effects(key), 0);
+
+    let pool = idem::db::pool(&config.postgres).unwrap();
+    idem::inspect::resolve(
+        &pool,
+        &config.postgres.schema,
+        key,
+        idem::inspect::Resolution::Retry,
+        "ops@oncall",
+        "the provider's log has no such email",
+    )
+    .await
+    .unwrap();
+    outcomes.answer("e1", "succeeded").await;
+    assert_eq!(env.downstream.effects(key), 1);
+    let calls = attempts_of(&common::explain(&env, key).await);
+    assert_eq!(
+        calls,
+        vec![
+            ("call".into(), "first".into(), "ambiguous".into()),
+            ("verify".into(), "manual".into(), "not_done".into()),
+            ("call".into(), "manual".into(), "succeeded".into()),
+        ]
+    );
+    relay.stop().await;
+}
