@@ -19,14 +19,14 @@ pub struct Past {
     pub age: Duration,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Kind {
     Call,
     Verify,
 }
 
 /// The classification written when an attempt closed (`attempts.classification`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Ended {
     // calls
     Succeeded,
