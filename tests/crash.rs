@@ -53,6 +53,22 @@ fn attempts_of(explained: &serde_json::Value) -> Vec<(String, String, String)> {
         .collect()
 }
 
+/// One call in the whole history, and the first attempt of the claim after the interruption is
+/// a verification.
+fn assert_one_call_then_verified_first(calls: &[(String, String, String)]) {
+    assert_eq!(
+        calls.iter().filter(|(kind, _, _)| kind == "call").count(),
+        1,
+        "{calls:?}"
+    );
+    let recovered = calls.iter().find(|(_, reason, _)| reason == "recovery");
+    assert_eq!(
+        recovered.map(|(kind, _, _)| kind.as_str()),
+        Some("verify"),
+        "the next claim's first attempt verifies: {calls:?}"
+    );
+}
+
 #[tokio::test]
 async fn crash_after_the_effect_before_its_record_is_verified_not_repeated() {
     let env = Env::new().await;
@@ -616,21 +632,11 @@ async fn a_relay_killed_while_verifying_never_sends_the_effect_again() {
             "{failpoint}: never sent again"
         );
         let calls = attempts_of(&common::explain(&env, key).await);
-        assert_eq!(
-            calls.iter().filter(|(kind, _, _)| kind == "call").count(),
-            1,
-            "{failpoint}: {calls:?}"
-        );
+        assert_one_call_then_verified_first(&calls);
         assert_eq!(
             calls[0],
             ("call".into(), "first".into(), "ambiguous".into()),
             "{failpoint}"
-        );
-        let recovered: Vec<_> = calls.iter().filter(|(_, r, _)| r == "recovery").collect();
-        assert_eq!(
-            recovered.first().map(|(kind, _, _)| kind.as_str()),
-            Some("verify"),
-            "{failpoint}: the next claim's first attempt verifies: {calls:?}"
         );
         assert_eq!(
             calls.last().unwrap(),
@@ -689,17 +695,7 @@ async fn a_stop_whose_grace_ends_during_verification_never_sends_the_effect_agai
     outcomes.answer("e1", "succeeded").await;
     assert_eq!(env.downstream.effects(key), 1, "never sent again");
     let calls = attempts_of(&common::explain(&env, key).await);
-    assert_eq!(
-        calls.iter().filter(|(kind, _, _)| kind == "call").count(),
-        1,
-        "{calls:?}"
-    );
-    let recovered: Vec<_> = calls.iter().filter(|(_, r, _)| r == "recovery").collect();
-    assert_eq!(
-        recovered.first().map(|(kind, _, _)| kind.as_str()),
-        Some("verify"),
-        "{calls:?}"
-    );
+    assert_one_call_then_verified_first(&calls);
 }
 
 /// A person's `resolve --as retry` is written into the attempt log as a concluded "not done",

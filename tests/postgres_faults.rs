@@ -10,7 +10,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{action, Env};
+use common::{action, Env, FaultProxy, ProxyMode};
 use serde_json::json;
 
 /// One test at a time in this binary: each changes the whole cluster.
@@ -104,18 +104,7 @@ async fn postgres_read_only_for_ten_seconds_loses_nothing_and_repeats_nothing() 
     outcomes.answer("warm", "succeeded").await;
 
     let read_only = ReadOnly::on();
-    let ids: Vec<String> = (0..200).map(|i| format!("e{i}")).collect();
-    let flow = async {
-        // 200 actions over about ten seconds.
-        let events: Vec<_> = ids
-            .iter()
-            .map(|id| action(id, email(&format!("b-{id}"))))
-            .collect();
-        for chunk in events.chunks(20) {
-            futures::future::join_all(chunk.iter().map(|e| p.send(e))).await;
-            tokio::time::sleep(Duration::from_millis(1000)).await;
-        }
-    };
+    let flow = send_200_over_ten_seconds(&p, "e");
     let noticed = common::eventually(
         "the relay to report that Postgres refuses writes",
         Duration::from_secs(30),
@@ -127,23 +116,21 @@ async fn postgres_read_only_for_ten_seconds_loses_nothing_and_repeats_nothing() 
                 && m.lines().any(|l| l == "idem_postgres_writable 0")
         },
     );
-    tokio::join!(flow, noticed);
+    let (ids, ()) = tokio::join!(flow, noticed);
     assert!(
         outcomes.answers("e0").is_empty(),
         "nothing recorded while read-only"
     );
     drop(read_only);
-
-    let answers = outcomes.answer_all(&ids, Duration::from_secs(120)).await;
-    for a in &answers {
-        assert_eq!(a["data"]["status"], "succeeded", "{a}");
-    }
-    assert!(dead.json().is_empty(), "dead-lettered: {:?}", dead.json());
-    assert_eq!(env.downstream.total_effects(), 201, "each executed once");
-    assert_eq!(env.downstream.repeated_keys(), Vec::<(String, u64)>::new());
-    for id in &ids {
-        assert_eq!(outcomes.answers(id).len(), 1, "{id} answered once");
-    }
+    assert_each_answered_and_executed_once(
+        &env,
+        &outcomes,
+        &dead,
+        &ids,
+        1,
+        Duration::from_secs(120),
+    )
+    .await;
     common::eventually("ready again", Duration::from_secs(30), || async {
         readyz(relay.admin()).await.0 == 200
     })
@@ -154,4 +141,194 @@ async fn postgres_read_only_for_ten_seconds_loses_nothing_and_repeats_nothing() 
         "{m}"
     );
     relay.stop().await;
+}
+
+/// 200 actions (`{prefix}0` …) over about ten seconds.
+async fn send_200_over_ten_seconds(p: &common::Producer, prefix: &str) -> Vec<String> {
+    let ids: Vec<String> = (0..200).map(|i| format!("{prefix}{i}")).collect();
+    let events: Vec<_> = ids
+        .iter()
+        .map(|id| action(id, email(&format!("b-{id}"))))
+        .collect();
+    for chunk in events.chunks(20) {
+        futures::future::join_all(chunk.iter().map(|e| p.send(e))).await;
+        tokio::time::sleep(Duration::from_millis(1000)).await;
+    }
+    ids
+}
+
+/// Every one of `ids` answered `succeeded` exactly once, nothing dead-lettered, one effect per
+/// key (plus `before` effects of earlier actions).
+async fn assert_each_answered_and_executed_once(
+    env: &Env,
+    outcomes: &common::Collector,
+    dead: &common::Collector,
+    ids: &[String],
+    before: u64,
+    within: Duration,
+) {
+    outcomes.answer_all(ids, within).await;
+    for id in ids {
+        let answers = outcomes.answers(id);
+        assert_eq!(answers.len(), 1, "{id} answered once: {answers:?}");
+        assert_eq!(answers[0]["data"]["status"], "succeeded", "{:?}", answers[0]);
+    }
+    assert!(dead.json().is_empty(), "dead-lettered: {:?}", dead.json());
+    assert_eq!(
+        env.downstream.total_effects(),
+        before + ids.len() as u64,
+        "each executed once"
+    );
+    assert_eq!(env.downstream.repeated_keys(), Vec::<(String, u64)>::new());
+}
+
+/// The relay reaches Postgres through a TCP proxy that drops every connection, open and new,
+/// for ten seconds while actions flow.
+#[tokio::test]
+async fn connections_to_postgres_cut_for_ten_seconds_lose_nothing_and_repeat_nothing() {
+    let _one = CLUSTER.lock().await;
+    let env = Env::new().await;
+    env.config(email_tool(), "").await; // migrates, directly
+    let upstream = common::postgres_url()
+        .split('@')
+        .nth(1)
+        .and_then(|h| h.split('/').next())
+        .unwrap()
+        .to_string();
+    let proxy = FaultProxy::start(
+        tokio::net::lookup_host(&upstream)
+            .await
+            .unwrap()
+            .next()
+            .unwrap(),
+    )
+    .await;
+    let text = env
+        .config_text(email_tool(), "")
+        .replace(&upstream, &proxy.addr.to_string());
+    let config = idem::config::Config::from_toml(&text, |_| None).unwrap();
+    let outcomes = env.outcomes().await;
+    let dead = env.dead_letters().await;
+    let relay = env.start(config).await;
+    let p = env.producer();
+    p.send(&action("warm", email("warm"))).await;
+    outcomes.answer("warm", "succeeded").await;
+
+    proxy.set(ProxyMode::Cut);
+    let flow = send_200_over_ten_seconds(&p, "c");
+    let noticed = common::eventually(
+        "the relay to report that it cannot write",
+        Duration::from_secs(30),
+        || async {
+            let m = common::metrics(relay.admin()).await;
+            m.lines().any(|l| l == "idem_postgres_writable 0")
+        },
+    );
+    let (ids, ()) = tokio::join!(flow, noticed);
+    assert!(outcomes.answers("c0").is_empty(), "nothing recorded while cut");
+    proxy.set(ProxyMode::Pass);
+    assert_each_answered_and_executed_once(
+        &env,
+        &outcomes,
+        &dead,
+        &ids,
+        1,
+        Duration::from_secs(120),
+    )
+    .await;
+    relay.stop().await;
+}
+
+/// Postgres itself stopped (fast shutdown: open connections are told `admin_shutdown`, new
+/// ones refused) for 70 s while actions flow, then started again.
+#[tokio::test]
+async fn postgres_stopped_for_seventy_seconds_loses_nothing_and_repeats_nothing() {
+    let _one = CLUSTER.lock().await;
+    let env = Env::new().await;
+    let outcomes = env.outcomes().await;
+    let dead = env.dead_letters().await;
+    let relay = env.start(env.config(email_tool(), "").await).await;
+    let p = env.producer();
+    p.send(&action("warm", email("warm"))).await;
+    outcomes.answer("warm", "succeeded").await;
+
+    let cluster = Cluster::stop();
+    let ids = send_200_over_ten_seconds(&p, "s").await;
+    common::eventually(
+        "the relay to report that it cannot write",
+        Duration::from_secs(30),
+        || async {
+            let m = common::metrics(relay.admin()).await;
+            m.lines().any(|l| l == "idem_postgres_writable 0")
+        },
+    )
+    .await;
+    let (status, body) = readyz(relay.admin()).await;
+    assert_eq!(status, 503, "{body}");
+    tokio::time::sleep_until(cluster.stopped_at + Duration::from_secs(70)).await;
+    assert!(outcomes.answers("s0").is_empty(), "nothing recorded while stopped");
+    drop(cluster);
+    assert_each_answered_and_executed_once(
+        &env,
+        &outcomes,
+        &dead,
+        &ids,
+        1,
+        Duration::from_secs(120),
+    )
+    .await;
+    relay.stop().await;
+}
+
+/// The local cluster stopped until dropped (started again also when the test fails).
+struct Cluster {
+    stopped_at: tokio::time::Instant,
+}
+
+impl Cluster {
+    fn version() -> String {
+        let mut versions: Vec<u32> = std::fs::read_dir("/usr/lib/postgresql")
+            .expect("Debian's PostgreSQL, installed by deploy/local/services.sh")
+            .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+            .collect();
+        versions.sort();
+        versions.last().expect("a PostgreSQL version").to_string()
+    }
+
+    fn ctl(what: &str) {
+        let ok = std::process::Command::new("pg_ctlcluster")
+            .args([&Self::version(), "main", what, "-m", "fast"])
+            .status()
+            .expect("pg_ctlcluster");
+        assert!(ok.success(), "pg_ctlcluster {what}");
+    }
+
+    fn stop() -> Cluster {
+        Self::ctl("stop");
+        Cluster {
+            stopped_at: tokio::time::Instant::now(),
+        }
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        let ok = std::process::Command::new("pg_ctlcluster")
+            .args([&Self::version(), "main", "start"])
+            .status()
+            .expect("pg_ctlcluster");
+        assert!(ok.success(), "pg_ctlcluster start");
+        // Ready when it answers.
+        for _ in 0..600 {
+            let up = std::process::Command::new("pg_isready")
+                .args(["-h", "127.0.0.1", "-p", &pg_port(), "-q"])
+                .status()
+                .is_ok_and(|s| s.success());
+            if up {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        panic!("postgres did not come back within 60 s");
+    }
 }

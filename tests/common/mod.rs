@@ -493,3 +493,108 @@ pub async fn explain(env: &Env, key: &str) -> Value {
     let pool = idem::db::pool(&config.postgres).unwrap();
     idem::inspect::explain(&pool, key).await.expect("explain")
 }
+
+/// What a [`FaultProxy`] does to its connections.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProxyMode {
+    /// Forwards both ways.
+    Pass,
+    /// Drops every connection, open and new (a cut network, a dead host that resets).
+    Cut,
+    /// Keeps connections open and forwards nothing (a network that black-holes packets).
+    Stall,
+}
+
+/// A TCP fault proxy in front of a real server (Postgres here): tests point the relay at
+/// `addr` and cut or stall the path while actions flow. Written in the test support because
+/// toxiproxy is not a Rust dependency; its two faults that matter here are these.
+pub struct FaultProxy {
+    pub addr: std::net::SocketAddr,
+    mode: tokio::sync::watch::Sender<ProxyMode>,
+    stop: CancellationToken,
+}
+
+impl FaultProxy {
+    pub async fn start(upstream: std::net::SocketAddr) -> FaultProxy {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (mode, _) = tokio::sync::watch::channel(ProxyMode::Pass);
+        let stop = CancellationToken::new();
+        let (rx, stopped) = (mode.subscribe(), stop.clone());
+        tokio::spawn(async move {
+            loop {
+                let inbound = tokio::select! {
+                    _ = stopped.cancelled() => return,
+                    a = listener.accept() => match a {
+                        Ok((s, _)) => s,
+                        Err(_) => continue,
+                    },
+                };
+                tokio::spawn(proxy_one(inbound, upstream, rx.clone(), stopped.clone()));
+            }
+        });
+        FaultProxy { addr, mode, stop }
+    }
+
+    pub fn set(&self, mode: ProxyMode) {
+        self.mode.send_replace(mode);
+    }
+}
+
+impl Drop for FaultProxy {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+async fn proxy_one(
+    mut inbound: tokio::net::TcpStream,
+    upstream: std::net::SocketAddr,
+    mut mode: tokio::sync::watch::Receiver<ProxyMode>,
+    stop: CancellationToken,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    // A new connection while stalled waits; while cut it is dropped.
+    loop {
+        let now = *mode.borrow_and_update();
+        match now {
+            ProxyMode::Cut => return,
+            ProxyMode::Pass => break,
+            ProxyMode::Stall => {
+                if mode.changed().await.is_err() {
+                    return;
+                }
+            }
+        }
+    }
+    let Ok(mut out) = tokio::net::TcpStream::connect(upstream).await else {
+        return;
+    };
+    let (mut a, mut b) = (vec![0u8; 16 * 1024], vec![0u8; 16 * 1024]);
+    loop {
+        let now = *mode.borrow_and_update();
+        match now {
+            ProxyMode::Cut => return,
+            ProxyMode::Stall => {
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    c = mode.changed() => if c.is_err() { return },
+                }
+                continue;
+            }
+            ProxyMode::Pass => {}
+        }
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            c = mode.changed() => if c.is_err() { return },
+            n = inbound.read(&mut a) => match n {
+                Ok(0) | Err(_) => return,
+                Ok(n) => if out.write_all(&a[..n]).await.is_err() { return },
+            },
+            n = out.read(&mut b) => match n {
+                Ok(0) | Err(_) => return,
+                Ok(n) => if inbound.write_all(&b[..n]).await.is_err() { return },
+            },
+        }
+    }
+}
