@@ -171,7 +171,11 @@ async fn assert_each_answered_and_executed_once(
     for id in ids {
         let answers = outcomes.answers(id);
         assert_eq!(answers.len(), 1, "{id} answered once: {answers:?}");
-        assert_eq!(answers[0]["data"]["status"], "succeeded", "{:?}", answers[0]);
+        assert_eq!(
+            answers[0]["data"]["status"], "succeeded",
+            "{:?}",
+            answers[0]
+        );
     }
     assert!(dead.json().is_empty(), "dead-lettered: {:?}", dead.json());
     assert_eq!(
@@ -225,7 +229,10 @@ async fn connections_to_postgres_cut_for_ten_seconds_lose_nothing_and_repeat_not
         },
     );
     let (ids, ()) = tokio::join!(flow, noticed);
-    assert!(outcomes.answers("c0").is_empty(), "nothing recorded while cut");
+    assert!(
+        outcomes.answers("c0").is_empty(),
+        "nothing recorded while cut"
+    );
     proxy.set(ProxyMode::Pass);
     assert_each_answered_and_executed_once(
         &env,
@@ -266,7 +273,10 @@ async fn postgres_stopped_for_seventy_seconds_loses_nothing_and_repeats_nothing(
     let (status, body) = readyz(relay.admin()).await;
     assert_eq!(status, 503, "{body}");
     tokio::time::sleep_until(cluster.stopped_at + Duration::from_secs(70)).await;
-    assert!(outcomes.answers("s0").is_empty(), "nothing recorded while stopped");
+    assert!(
+        outcomes.answers("s0").is_empty(),
+        "nothing recorded while stopped"
+    );
     drop(cluster);
     assert_each_answered_and_executed_once(
         &env,
