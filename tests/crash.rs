@@ -738,3 +738,65 @@ async fn a_key_resolved_as_retry_is_called_again_once() {
     );
     relay.stop().await;
 }
+
+/// Two relays; the first reaches Postgres through a proxy that stalls while its call, slower
+/// than the lease, is in flight, so it cannot renew the lease. The second takes the key over:
+/// its verification finds nothing while the first call may still be in flight (before the
+/// call's timeout), so it waits for the deadline instead of calling, and then finds the
+/// effect. The first relay's late outcome is refused by the epoch.
+#[tokio::test]
+async fn a_relay_that_cannot_renew_its_lease_during_a_slow_call_is_not_doubled() {
+    let env = Env::new().await;
+    let dir = tempfile::tempdir().unwrap();
+    let tools = email_tool(true).replace("timeout = \"1s\"", "timeout = \"8s\"");
+    let direct = common::config_file(&env, dir.path(), &tools, "").await;
+    let upstream = common::postgres_url()
+        .split('@')
+        .nth(1)
+        .and_then(|h| h.split('/').next())
+        .unwrap()
+        .to_string();
+    let proxy = common::FaultProxy::start(
+        tokio::net::lookup_host(&upstream)
+            .await
+            .unwrap()
+            .next()
+            .unwrap(),
+    )
+    .await;
+    let proxied = dir.path().join("proxied.toml");
+    std::fs::write(
+        &proxied,
+        std::fs::read_to_string(&direct)
+            .unwrap()
+            .replace(&upstream, &proxy.addr.to_string()),
+    )
+    .unwrap();
+    let key = "r13:send_email:b1";
+    // Slower than the 3 s lease, well within the 8 s timeout.
+    env.downstream
+        .script(Some(key), vec![Step::Delay { delay_ms: 4000 }]);
+    let outcomes = env.outcomes().await;
+    let first = Child::spawn(&proxied, None, dir.path().join("first.log"));
+    env.producer().send(&action("e1", email("r13", "b1"))).await;
+    common::eventually(
+        "the call to reach the downstream",
+        Duration::from_secs(30),
+        || async { env.downstream.requests() >= 1 },
+    )
+    .await;
+    proxy.set(common::ProxyMode::Stall);
+    let _second = Child::spawn(&direct, None, dir.path().join("second.log"));
+    let o = outcomes.answer("e1", "succeeded").await;
+    assert_eq!(o["data"]["result"]["id"], "eff_1", "{o}");
+    proxy.set(common::ProxyMode::Pass);
+    assert_eq!(env.downstream.effects(key), 1, "never sent twice");
+    let calls = attempts_of(&common::explain(&env, key).await);
+    assert_one_call_then_verified_first(&calls);
+    assert!(
+        calls.contains(&("verify".into(), "recovery".into(), "inconclusive".into())),
+        "a 'not done' before the call's deadline concluded nothing: {calls:?}"
+    );
+    assert_eq!(calls.last().unwrap().2, "done", "{calls:?}");
+    drop(first);
+}
