@@ -1,0 +1,116 @@
+//! The Kafka broker killed -9 and started again while actions flow: nothing lost, nothing
+//! executed twice, every action answered, and the relay keeps running. The broker is shared by
+//! every test, so this lives in a test binary of its own (cargo runs test binaries one at a
+//! time). It needs the broker that `deploy/local/services.sh` started (its pid file).
+
+mod common;
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use common::{action, Env};
+use serde_json::json;
+
+fn kafka_pid_file() -> std::path::PathBuf {
+    let state = std::env::var("IDEM_LOCAL_DIR")
+        .unwrap_or_else(|_| format!("{}/.cache/idem-local", std::env::var("HOME").unwrap()));
+    std::path::Path::new(&state).join("kafka/kafka.pid")
+}
+
+/// Starts the broker again (the services script is idempotent), also when the test fails.
+struct Restart;
+
+impl Drop for Restart {
+    fn drop(&mut self) {
+        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/local/services.sh");
+        let ok = std::process::Command::new("bash")
+            .args([script, "up"])
+            .status()
+            .expect("bash runs the services script");
+        assert!(ok.success(), "the broker came back");
+    }
+}
+
+fn kill_broker() -> Restart {
+    let pid = std::fs::read_to_string(kafka_pid_file())
+        .expect("the broker started by deploy/local/services.sh (its pid file)");
+    let ok = std::process::Command::new("kill")
+        .args(["-KILL", pid.trim()])
+        .status()
+        .unwrap();
+    assert!(ok.success(), "kill -9 the broker");
+    Restart
+}
+
+const TOOL: &str = r#"
+[[tools]]
+name = "send_email"
+class = "dangerous"
+key = ["run_id", "tool", "business_id"]
+material = ["args.to"]
+executor = { kind = "http", url = "{downstream}/v1/send_email", timeout = "1s" }
+verify = { url = "{downstream}/v1/effects/{key}", max_attempts = 5, backoff = "50ms" }
+"#;
+
+#[tokio::test]
+async fn the_broker_killed_and_restarted_while_actions_flow_loses_and_repeats_nothing() {
+    let env = Env::new().await;
+    let outcomes = env.outcomes().await;
+    let dead = env.dead_letters().await;
+    let relay = env.start(env.config(TOOL, "").await).await;
+    let p = env.producer();
+    let ids: Vec<String> = (0..300).map(|i| format!("k{i}")).collect();
+    let events: Vec<_> = ids
+        .iter()
+        .map(|id| {
+            action(
+                id,
+                json!({"run_id": "bk", "tool": "send_email", "business_id": id,
+                       "args": {"to": "customer-1", "subject": "Hello"}}),
+            )
+        })
+        .collect();
+    // A third before the kill, a third while the broker is down (the producer holds them),
+    // a third after it is back.
+    for e in &events[..100] {
+        p.send(e).await;
+    }
+    let restart = kill_broker();
+    let held = async {
+        futures::future::join_all(events[100..200].iter().map(|e| p.send(e))).await;
+    };
+    let back = async {
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        drop(restart);
+    };
+    tokio::join!(held, back);
+    for e in &events[200..] {
+        p.send(e).await;
+    }
+    outcomes.answer_all(&ids, Duration::from_secs(180)).await;
+    for id in &ids {
+        let distinct: HashSet<String> = outcomes
+            .answers(id)
+            .iter()
+            .map(|o| o["id"].as_str().unwrap().to_string())
+            .collect();
+        assert_eq!(
+            distinct.len(),
+            1,
+            "{id}: one outcome (republished with its id)"
+        );
+        assert_eq!(outcomes.answers(id)[0]["data"]["status"], "succeeded");
+    }
+    assert!(dead.json().is_empty(), "dead-lettered: {:?}", dead.json());
+    assert_eq!(env.downstream.total_effects(), 300);
+    assert_eq!(env.downstream.repeated_keys(), Vec::<(String, u64)>::new());
+    let m = common::metrics(relay.admin()).await;
+    assert!(
+        common::sample(
+            &m,
+            r#"idem_actions_total{status="succeeded",tool="send_email"}"#
+        ) >= 300.0,
+        "{m}"
+    );
+    relay.stop().await;
+}
