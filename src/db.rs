@@ -30,6 +30,11 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "0004_attempt_hot_updates",
         include_str!("../schemas/postgres/0004_attempt_hot_updates.sql"),
     ),
+    (
+        5,
+        "0005_outbox_quarantine",
+        include_str!("../schemas/postgres/0005_outbox_quarantine.sql"),
+    ),
 ];
 
 #[derive(Debug, thiserror::Error)]

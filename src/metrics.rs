@@ -63,6 +63,7 @@ pub struct Metrics {
     messages_consumed: IntCounterVec,
     outcomes_published: IntCounterVec,
     postgres_retries: IntCounterVec,
+    outbox_quarantined: prometheus::IntCounter,
     /// 1 while the relay's last write to Postgres went through; 0 while writes fail (down,
     /// read-only, out of space). `/readyz` reads it too.
     postgres_writable: IntGauge,
@@ -167,7 +168,16 @@ impl Metrics {
             .expect("valid metric"),
         );
         postgres_writable.set(1);
+        let outbox_quarantined = r.add(
+            "idem_outbox_quarantined_total",
+            prometheus::IntCounter::new(
+                "idem_outbox_quarantined_total",
+                "Outcome events the producer refused for good (too large, invalid), set aside in the outbox.",
+            )
+            .expect("valid metric"),
+        );
         Metrics {
+            outbox_quarantined,
             postgres_writable,
             postgres_retries: r.counter("idem_postgres_retries_total", "Database work retried because Postgres was unavailable, read-only or out of resources, by stage.", &["stage"]),
             actions: r.counter("idem_actions_total", "Outcomes recorded for actions, by status.", &["tool", "status"]),
@@ -302,5 +312,9 @@ impl Metrics {
 
     pub fn postgres_is_writable(&self) -> bool {
         self.postgres_writable.get() == 1
+    }
+
+    pub fn outbox_quarantined(&self) {
+        self.outbox_quarantined.inc();
     }
 }

@@ -111,6 +111,8 @@ impl Publisher {
         }
         let topic = &self.config.kafka.outcomes_topic;
         let mut pending = Vec::with_capacity(rows.len());
+        let mut refused = Vec::new();
+        let mut enqueue_failed = None;
         for row in &rows {
             let payload = serde_json::to_vec(&row.payload).expect("json serializes");
             let mut headers = OwnedHeaders::new().insert(Header {
@@ -129,29 +131,38 @@ impl Publisher {
                 .headers(headers);
             // send_result only enqueues; the acknowledgements are awaited together below.
             match self.producer.send_result(record) {
-                Ok(delivery) => pending.push((row.event_id.clone(), delivery)),
+                Ok(delivery) => pending.push((row.id, row.event_id.clone(), delivery)),
+                // Refused for good: set aside, so the rows after it go out.
+                Err((e, _)) if refused_for_good(&e) => refused.push((row, e)),
+                // The local queue is full (or the producer is failing): what was enqueued is
+                // awaited and marked, the rest waits for the next round.
                 Err((e, _)) => {
-                    return Err(PublishError::Kafka {
+                    enqueue_failed = Some(PublishError::Kafka {
                         event_id: row.event_id.clone(),
                         source: e,
                     });
+                    break;
                 }
             }
         }
         let results = futures::future::join_all(
             pending
                 .into_iter()
-                .zip(rows.iter().map(|r| r.id))
-                .map(|((event_id, f), id)| async move { (id, event_id, f.await) }),
+                .map(|(id, event_id, f)| async move { (id, event_id, f.await) }),
         )
         .await;
         // What Kafka acknowledged is marked even when something else failed, so one outcome
         // that cannot go out does not send the others again and again.
         let mut acked = Vec::with_capacity(results.len());
-        let mut failed = None;
+        let mut failed = enqueue_failed;
         for (id, event_id, result) in results {
             match result {
                 Ok(Ok(_)) => acked.push(id),
+                Ok(Err((e, _))) if refused_for_good(&e) => {
+                    if let Some(row) = rows.iter().find(|r| r.id == id) {
+                        refused.push((row, e));
+                    }
+                }
                 Ok(Err((e, _))) => {
                     failed.get_or_insert(PublishError::Kafka {
                         event_id,
@@ -168,8 +179,16 @@ impl Publisher {
         }
         crate::execute::crash_point!("after-publish-before-mark");
         store::mark_published(&tx, &acked).await?;
+        for (row, e) in &refused {
+            let reason = format!("the producer refused it: {e}");
+            store::quarantine(&tx, row.id, &reason).await?;
+        }
         tx.commit().await?;
         self.metrics.published(topic, acked.len() as u64);
+        for (row, e) in &refused {
+            self.metrics.outbox_quarantined();
+            tracing::error!(event_id = %row.event_id, key = %row.key, error = %e, "outcome event refused by the producer for good; quarantined in the outbox");
+        }
         if let Some(e) = failed {
             return Err(e);
         }
@@ -216,4 +235,20 @@ pub async fn listen(config: Arc<Config>, wake: Arc<Notify>, shutdown: Cancellati
             _ = tokio::time::sleep(Duration::from_secs(1)) => {}
         }
     }
+}
+
+/// Producer errors that no retry can heal, for one record: it is larger than the producer or
+/// the broker accepts, or the broker finds it invalid.
+fn refused_for_good(e: &rdkafka::error::KafkaError) -> bool {
+    use rdkafka::types::RDKafkaErrorCode as Code;
+    matches!(
+        e.rdkafka_error_code(),
+        Some(
+            Code::MessageSizeTooLarge
+                | Code::InvalidMessageSize
+                | Code::InvalidMessage
+                | Code::InvalidRecord
+                | Code::MessageBatchTooLarge
+        )
+    )
 }

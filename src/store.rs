@@ -1332,16 +1332,25 @@ pub struct OutboxRow {
 
 const SELECT_UNPUBLISHED: &str = "
     select id, event_id, kafka_key, payload, traceparent from outbox
-     where published_at is null
+     where published_at is null and quarantined_at is null
      order by id
      limit $1
      for update skip locked";
 
 const MARK_PUBLISHED: &str = "update outbox set published_at = now() where id = any($1)";
 
+const QUARANTINE: &str = "
+    update outbox set quarantined_at = now(), quarantine_reason = $2 where id = $1";
+
+/// Sets aside an outbox row the producer refuses for good, with the reason.
+pub async fn quarantine(tx: &Transaction<'_>, id: i64, reason: &str) -> Result<(), DbError> {
+    tx.execute(QUARANTINE, &[&id, &reason]).await?;
+    Ok(())
+}
+
 const OUTBOX_LAG: &str = "
     select count(*), coalesce(extract(epoch from now() - min(created_at))::float8, 0)
-      from outbox where published_at is null";
+      from outbox where published_at is null and quarantined_at is null";
 
 pub async fn unpublished(tx: &Transaction<'_>, limit: i64) -> Result<Vec<OutboxRow>, DbError> {
     Ok(tx

@@ -654,3 +654,49 @@ sys.exit(1 if bad or not events else 0)\n";
         );
     }
 }
+
+/// An outcome event the producer refuses for good (here larger than the producer's 1 MB
+/// message limit, as a bug elsewhere could write) is quarantined with the reason, and the
+/// outcome events after it are published (issue 12: one bad row held every row behind it).
+#[tokio::test]
+async fn an_outbox_row_the_producer_refuses_is_quarantined_and_the_rest_go_out() {
+    let env = Env::new().await;
+    let outcomes = env.outcomes().await;
+    let config = env.config(EMAIL, "").await;
+    let pg = env.pg().await;
+    let huge = json!({"data": {"blob": "x".repeat(1_500_000)}});
+    pg.execute(
+        "insert into outbox (event_id, kafka_key, payload) values ('poison', 'k', $1)",
+        &[&huge],
+    )
+    .await
+    .unwrap();
+    let relay = env.start(config).await;
+    env.producer()
+        .send(&action("after", email("rq", "b1", "hello")))
+        .await;
+    outcomes.answer("after", "succeeded").await;
+    common::eventually(
+        "the refused row to be quarantined",
+        Duration::from_secs(30),
+        || async {
+            let row = pg
+                .query_one(
+                    "select quarantined_at is not null, coalesce(quarantine_reason, ''), published_at is null from outbox where event_id = 'poison'",
+                    &[],
+                )
+                .await
+                .unwrap();
+            row.get::<_, bool>(0)
+                && row.get::<_, String>(1).contains("too large")
+                && row.get::<_, bool>(2)
+        },
+    )
+    .await;
+    let m = common::metrics(relay.admin()).await;
+    assert!(
+        m.lines().any(|l| l == "idem_outbox_quarantined_total 1"),
+        "{m}"
+    );
+    relay.stop().await;
+}
