@@ -22,6 +22,26 @@ use crate::key;
 use crate::metrics::{Metrics, Origin};
 use crate::store::{self, Incoming, KeyedAction, Position};
 
+/// Tries to write one dead letter before the batch is given up and read again (about 30 s
+/// with the backoff, each try bounded by the producer's own timeout).
+const DEAD_LETTER_TRIES: u32 = 8;
+/// The reason's detail is cut to this in the dead letter's header.
+const MAX_DETAIL_BYTES: usize = 4096;
+
+/// A dead letter that could not be written; the message's offset must not move past it.
+struct DeadLetterFailed;
+
+fn truncate(s: &str, max: usize) -> &str {
+    if s.len() <= max {
+        return s;
+    }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}
+
 /// Warnings of batches waiting for Postgres, throttled.
 static RECORD_WAIT: crate::db::WaitLog = crate::db::WaitLog::new();
 
@@ -101,10 +121,15 @@ impl Consume {
     async fn process(&self, batch: &[BorrowedMessage<'_>], shutdown: &CancellationToken) {
         let items: Vec<Incoming> = batch.iter().map(|m| self.decode(m)).collect();
 
-        // Dead letters go out before the offsets move, so a poison message is never lost.
+        // Dead letters go out before the offsets move, so a poison message is never lost. One
+        // that cannot be written (after bounded tries, or at shutdown) rewinds its batch: nothing
+        // is recorded and the batch is read again later.
         for (m, item) in batch.iter().zip(&items) {
             if let Incoming::Rejected { message, code, .. } = item {
-                self.dead_letter(m, code, message).await;
+                if self.dead_letter(m, code, message, shutdown).await.is_err() {
+                    self.rewind(batch);
+                    return;
+                }
             }
         }
 
@@ -124,7 +149,10 @@ impl Consume {
                     tracing::warn!(error = %e, "batch refused; recording its messages one by one");
                     match self.record_singly(batch, &items, &channel, shutdown).await {
                         Some(r) => break r,
-                        None => return,
+                        None => {
+                            self.rewind(batch);
+                            return;
+                        }
                     }
                 }
                 // Down, read-only, out of space, or anything else that is not this data's
@@ -201,7 +229,14 @@ impl Consume {
                     Err(_) if shutdown.is_cancelled() => return None,
                     // Only this message's own data may send it to the dead-letter topic.
                     Err(e) if e.refuses_data() => {
-                        self.dead_letter(m, "unrecordable", &e.to_string()).await;
+                        if self
+                            .dead_letter(m, "unrecordable", &e.to_string(), shutdown)
+                            .await
+                            .is_err()
+                        {
+                            // What was recorded of this batch is read again as redeliveries.
+                            return None;
+                        }
                         break None;
                     }
                     Err(e) => {
@@ -325,17 +360,36 @@ impl Consume {
         }
     }
 
-    /// Copies the original bytes and headers to the dead-letter topic with the reason; retried
-    /// until Kafka acknowledges, because the offset must not move past an unrecorded message.
-    async fn dead_letter(&self, m: &BorrowedMessage<'_>, reason: &str, detail: &str) {
+    /// Copies the original bytes and headers to the dead-letter topic with the reason. Retried
+    /// with backoff up to [`DEAD_LETTER_TRIES`] times; `Err` when it could not be written (or
+    /// shutdown came first): the offset must then not move past the message.
+    async fn dead_letter(
+        &self,
+        m: &BorrowedMessage<'_>,
+        reason: &str,
+        detail: &str,
+        shutdown: &CancellationToken,
+    ) -> Result<(), DeadLetterFailed> {
         let partition = m.partition().to_string();
         let offset = m.offset().to_string();
+        // The size budget counts headers too: the original ones go along only while they fit.
+        let original: Vec<(&str, &[u8])> = m
+            .headers()
+            .map(|h| {
+                h.iter()
+                    .map(|h| (h.key, h.value.unwrap_or_default()))
+                    .collect()
+            })
+            .unwrap_or_default();
+        let original_bytes: usize = original.iter().map(|(k, v)| k.len() + v.len()).sum();
+        let detail = truncate(detail, MAX_DETAIL_BYTES);
+        let keep_original = original_bytes <= MAX_DEAD_LETTER_BYTES / 4;
         let mut headers = OwnedHeaders::new();
-        if let Some(h) = m.headers() {
-            for h in h.iter() {
+        if keep_original {
+            for (key, value) in &original {
                 headers = headers.insert(Header {
-                    key: h.key,
-                    value: h.value,
+                    key,
+                    value: Some(*value),
                 });
             }
         }
@@ -360,18 +414,29 @@ impl Consume {
                 key: "idem-source-offset",
                 value: Some(&offset),
             });
+        let headers = if keep_original {
+            headers
+        } else {
+            headers.insert(Header {
+                key: "idem-dlq-headers-dropped",
+                value: Some(&original_bytes.to_string()),
+            })
+        };
+        let header_bytes = if keep_original { original_bytes } else { 0 } + detail.len() + 512;
+        let budget = MAX_DEAD_LETTER_BYTES.saturating_sub(header_bytes);
         // A payload the producer cannot send whole is cut, and the cut is said in a header.
         let payload = m.payload().unwrap_or_default();
-        let (payload, headers) = if payload.len() > MAX_DEAD_LETTER_BYTES {
+        let (payload, headers) = if payload.len() > budget {
             let h = headers.insert(Header {
                 key: "idem-dlq-truncated",
                 value: Some(&payload.len().to_string()),
             });
-            (&payload[..MAX_DEAD_LETTER_BYTES], h)
+            (&payload[..budget], h)
         } else {
             (payload, headers)
         };
         let mut backoff = Duration::from_millis(100);
+        let mut tries = 0;
         loop {
             let mut record: FutureRecord<'_, [u8], [u8]> =
                 FutureRecord::to(&self.config.kafka.dlq_topic)
@@ -380,11 +445,24 @@ impl Consume {
             if let Some(k) = m.key() {
                 record = record.key(k);
             }
-            match self.producer.send(record, Duration::from_secs(30)).await {
+            tries += 1;
+            let sent = tokio::select! {
+                _ = shutdown.cancelled() => return Err(DeadLetterFailed),
+                sent = self.producer.send(record, Duration::from_secs(30)) => sent,
+            };
+            match sent {
                 Ok(_) => break,
+                Err((e, _)) if tries >= DEAD_LETTER_TRIES => {
+                    self.metrics.dead_letter_failed();
+                    tracing::error!(error = %e, tries, reason, topic = m.topic(), partition = m.partition(), offset = m.offset(), "cannot write to the dead-letter topic; the batch is read again later");
+                    return Err(DeadLetterFailed);
+                }
                 Err((e, _)) => {
-                    tracing::warn!(error = %e, "cannot write to the dead-letter topic; retrying");
-                    tokio::time::sleep(backoff).await;
+                    tracing::warn!(error = %e, tries, "cannot write to the dead-letter topic; retrying");
+                    tokio::select! {
+                        _ = shutdown.cancelled() => return Err(DeadLetterFailed),
+                        _ = tokio::time::sleep(backoff) => {}
+                    }
                     backoff = (backoff * 2).min(Duration::from_secs(5));
                 }
             }
@@ -398,5 +476,30 @@ impl Consume {
             offset = m.offset(),
             "action dead-lettered"
         );
+        Ok(())
+    }
+
+    /// Reads a batch again later: each of its partitions goes back to the batch's first offset
+    /// there (nothing of the batch was recorded, or what was is read again as redeliveries).
+    fn rewind(&self, batch: &[BorrowedMessage<'_>]) {
+        let mut first: BTreeMap<(&str, i32), i64> = BTreeMap::new();
+        for m in batch {
+            let e = first
+                .entry((m.topic(), m.partition()))
+                .or_insert(m.offset());
+            *e = (*e).min(m.offset());
+        }
+        for ((topic, partition), offset) in first {
+            if let Err(e) = self.consumer.seek(
+                topic,
+                partition,
+                rdkafka::Offset::Offset(offset),
+                Duration::from_secs(5),
+            ) {
+                // Revoked meanwhile, or the seek failed: the offset was not stored, so the
+                // next owner (or this consumer after a rebalance) reads it again.
+                tracing::warn!(error = %e, topic, partition, offset, "cannot rewind the partition");
+            }
+        }
     }
 }

@@ -64,6 +64,7 @@ pub struct Metrics {
     outcomes_published: IntCounterVec,
     postgres_retries: IntCounterVec,
     outbox_quarantined: prometheus::IntCounter,
+    dead_letters_failed: prometheus::IntCounter,
     /// 1 while the relay's last write to Postgres went through; 0 while writes fail (down,
     /// read-only, out of space). `/readyz` reads it too.
     postgres_writable: IntGauge,
@@ -176,8 +177,17 @@ impl Metrics {
             )
             .expect("valid metric"),
         );
+        let dead_letters_failed = r.add(
+            "idem_dead_letters_failed_total",
+            prometheus::IntCounter::new(
+                "idem_dead_letters_failed_total",
+                "Dead letters that could not be written after bounded tries; their batch is read again.",
+            )
+            .expect("valid metric"),
+        );
         Metrics {
             outbox_quarantined,
+            dead_letters_failed,
             postgres_writable,
             postgres_retries: r.counter("idem_postgres_retries_total", "Database work retried because Postgres was unavailable, read-only or out of resources, by stage.", &["stage"]),
             actions: r.counter("idem_actions_total", "Outcomes recorded for actions, by status.", &["tool", "status"]),
@@ -316,5 +326,9 @@ impl Metrics {
 
     pub fn outbox_quarantined(&self) {
         self.outbox_quarantined.inc();
+    }
+
+    pub fn dead_letter_failed(&self) {
+        self.dead_letters_failed.inc();
     }
 }
