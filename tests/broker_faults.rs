@@ -11,37 +11,6 @@ use std::time::Duration;
 use common::{action, Env};
 use serde_json::json;
 
-fn kafka_pid_file() -> std::path::PathBuf {
-    let state = std::env::var("IDEM_LOCAL_DIR")
-        .unwrap_or_else(|_| format!("{}/.cache/idem-local", std::env::var("HOME").unwrap()));
-    std::path::Path::new(&state).join("kafka/kafka.pid")
-}
-
-/// Starts the broker again (the services script is idempotent), also when the test fails.
-struct Restart;
-
-impl Drop for Restart {
-    fn drop(&mut self) {
-        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/local/services.sh");
-        let ok = std::process::Command::new("bash")
-            .args([script, "up"])
-            .status()
-            .expect("bash runs the services script");
-        assert!(ok.success(), "the broker came back");
-    }
-}
-
-fn kill_broker() -> Restart {
-    let pid = std::fs::read_to_string(kafka_pid_file())
-        .expect("the broker started by deploy/local/services.sh (its pid file)");
-    let ok = std::process::Command::new("kill")
-        .args(["-KILL", pid.trim()])
-        .status()
-        .unwrap();
-    assert!(ok.success(), "kill -9 the broker");
-    Restart
-}
-
 const TOOL: &str = r#"
 [[tools]]
 name = "send_email"
@@ -75,7 +44,7 @@ async fn the_broker_killed_and_restarted_while_actions_flow_loses_and_repeats_no
     for e in &events[..100] {
         p.send(e).await;
     }
-    let restart = kill_broker();
+    let restart = common::kill_broker();
     let held = async {
         futures::future::join_all(events[100..200].iter().map(|e| p.send(e))).await;
     };

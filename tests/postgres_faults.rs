@@ -16,15 +16,6 @@ use serde_json::json;
 /// One test at a time in this binary: each changes the whole cluster.
 static CLUSTER: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
-fn pg_port() -> String {
-    let url = common::postgres_url();
-    url.rsplit_once(':')
-        .and_then(|(_, rest)| rest.split('/').next())
-        .filter(|p| p.chars().all(|c| c.is_ascii_digit()))
-        .unwrap_or("5432")
-        .to_string()
-}
-
 /// Runs SQL as the cluster's superuser.
 fn superuser(sql: &str) {
     let out = std::process::Command::new("runuser")
@@ -37,7 +28,7 @@ fn superuser(sql: &str) {
             "-v",
             "ON_ERROR_STOP=1",
         ])
-        .args(["-p", &pg_port(), "-d", "postgres", "-c", sql])
+        .args(["-p", &common::pg_port(), "-d", "postgres", "-c", sql])
         .current_dir("/")
         .output()
         .expect("runuser and psql are installed by deploy/local/services.sh");
@@ -259,7 +250,7 @@ async fn postgres_stopped_for_seventy_seconds_loses_nothing_and_repeats_nothing(
     p.send(&action("warm", email("warm"))).await;
     outcomes.answer("warm", "succeeded").await;
 
-    let cluster = Cluster::stop();
+    let cluster = common::stop_postgres();
     let ids = send_200_over_ten_seconds(&p, "s").await;
     common::eventually(
         "the relay to report that it cannot write",
@@ -288,57 +279,4 @@ async fn postgres_stopped_for_seventy_seconds_loses_nothing_and_repeats_nothing(
     )
     .await;
     relay.stop().await;
-}
-
-/// The local cluster stopped until dropped (started again also when the test fails).
-struct Cluster {
-    stopped_at: tokio::time::Instant,
-}
-
-impl Cluster {
-    fn version() -> String {
-        let mut versions: Vec<u32> = std::fs::read_dir("/usr/lib/postgresql")
-            .expect("Debian's PostgreSQL, installed by deploy/local/services.sh")
-            .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
-            .collect();
-        versions.sort();
-        versions.last().expect("a PostgreSQL version").to_string()
-    }
-
-    fn ctl(what: &str) {
-        let ok = std::process::Command::new("pg_ctlcluster")
-            .args([&Self::version(), "main", what, "-m", "fast"])
-            .status()
-            .expect("pg_ctlcluster");
-        assert!(ok.success(), "pg_ctlcluster {what}");
-    }
-
-    fn stop() -> Cluster {
-        Self::ctl("stop");
-        Cluster {
-            stopped_at: tokio::time::Instant::now(),
-        }
-    }
-}
-
-impl Drop for Cluster {
-    fn drop(&mut self) {
-        let ok = std::process::Command::new("pg_ctlcluster")
-            .args([&Self::version(), "main", "start"])
-            .status()
-            .expect("pg_ctlcluster");
-        assert!(ok.success(), "pg_ctlcluster start");
-        // Ready when it answers.
-        for _ in 0..600 {
-            let up = std::process::Command::new("pg_isready")
-                .args(["-h", "127.0.0.1", "-p", &pg_port(), "-q"])
-                .status()
-                .is_ok_and(|s| s.success());
-            if up {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        panic!("postgres did not come back within 60 s");
-    }
 }

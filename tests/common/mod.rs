@@ -598,3 +598,104 @@ async fn proxy_one(
         }
     }
 }
+
+// ------------------------------------------------------------ local services
+
+pub fn pg_port() -> String {
+    let url = postgres_url();
+    url.rsplit_once(':')
+        .and_then(|(_, rest)| rest.split('/').next())
+        .filter(|p| p.chars().all(|c| c.is_ascii_digit()))
+        .unwrap_or("5432")
+        .to_string()
+}
+
+/// The local cluster stopped until dropped (started again also when the test fails).
+pub struct PostgresStopped {
+    pub stopped_at: tokio::time::Instant,
+}
+
+impl PostgresStopped {
+    fn version() -> String {
+        let mut versions: Vec<u32> = std::fs::read_dir("/usr/lib/postgresql")
+            .expect("Debian's PostgreSQL, installed by deploy/local/services.sh")
+            .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+            .collect();
+        versions.sort();
+        versions.last().expect("a PostgreSQL version").to_string()
+    }
+
+    fn ctl(what: &str) {
+        let ok = std::process::Command::new("pg_ctlcluster")
+            .args([&Self::version(), "main", what, "-m", "fast"])
+            .status()
+            .expect("pg_ctlcluster");
+        assert!(ok.success(), "pg_ctlcluster {what}");
+    }
+
+    fn stop() -> PostgresStopped {
+        Self::ctl("stop");
+        PostgresStopped {
+            stopped_at: tokio::time::Instant::now(),
+        }
+    }
+}
+
+impl Drop for PostgresStopped {
+    fn drop(&mut self) {
+        let ok = std::process::Command::new("pg_ctlcluster")
+            .args([&Self::version(), "main", "start"])
+            .status()
+            .expect("pg_ctlcluster");
+        assert!(ok.success(), "pg_ctlcluster start");
+        // Ready when it answers.
+        for _ in 0..600 {
+            let up = std::process::Command::new("pg_isready")
+                .args(["-h", "127.0.0.1", "-p", &pg_port(), "-q"])
+                .status()
+                .is_ok_and(|s| s.success());
+            if up {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        panic!("postgres did not come back within 60 s");
+    }
+}
+
+/// Stops the local Postgres cluster (fast shutdown) until the guard is dropped.
+pub fn stop_postgres() -> PostgresStopped {
+    PostgresStopped::stop()
+}
+
+fn kafka_pid_file() -> std::path::PathBuf {
+    let state = std::env::var("IDEM_LOCAL_DIR")
+        .unwrap_or_else(|_| format!("{}/.cache/idem-local", std::env::var("HOME").unwrap()));
+    std::path::Path::new(&state).join("kafka/kafka.pid")
+}
+
+/// Starts the broker again (the services script is idempotent), also when the test fails.
+pub struct BrokerKilled;
+
+impl Drop for BrokerKilled {
+    fn drop(&mut self) {
+        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/local/services.sh");
+        let ok = std::process::Command::new("bash")
+            .args([script, "up"])
+            .status()
+            .expect("bash runs the services script");
+        assert!(ok.success(), "the broker came back");
+    }
+}
+
+/// Kills the local broker with SIGKILL; it is started again when the guard is dropped.
+pub fn kill_broker() -> BrokerKilled {
+    let pid = std::fs::read_to_string(kafka_pid_file())
+        .expect("the broker started by deploy/local/services.sh (its pid file)");
+    let ok = std::process::Command::new("kill")
+        .args(["-KILL", pid.trim()])
+        .status()
+        .unwrap();
+    assert!(ok.success(), "kill -9 the broker");
+    BrokerKilled
+}
