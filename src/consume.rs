@@ -9,7 +9,7 @@ use deadpool_postgres::Pool;
 use futures::FutureExt;
 use rdkafka::consumer::{CommitMode, Consumer};
 use rdkafka::message::{BorrowedMessage, Header, Headers, OwnedHeaders};
-use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::producer::FutureRecord;
 use rdkafka::Message;
 use tokio_util::sync::CancellationToken;
 
@@ -51,7 +51,7 @@ const MAX_DEAD_LETTER_BYTES: usize = 900 * 1024;
 pub struct Consume {
     pub config: Arc<Config>,
     pub consumer: Arc<ActionConsumer>,
-    pub producer: FutureProducer,
+    pub producer: crate::kafka::SharedProducer,
     pub pool: Pool,
     pub executor: Arc<Executor>,
     pub metrics: Arc<Metrics>,
@@ -446,10 +446,14 @@ impl Consume {
                 record = record.key(k);
             }
             tries += 1;
+            let (generation, producer) = self.producer.get();
             let sent = tokio::select! {
                 _ = shutdown.cancelled() => return Err(DeadLetterFailed),
-                sent = self.producer.send(record, Duration::from_secs(30)) => sent,
+                sent = producer.send(record, Duration::from_secs(30)) => sent,
             };
+            if sent.is_err() {
+                self.producer.heal(generation, &self.metrics);
+            }
             match sent {
                 Ok(_) => break,
                 Err((e, _)) if tries >= DEAD_LETTER_TRIES => {

@@ -208,6 +208,11 @@ pub fn data_path_pool(cfg: &PostgresConfig) -> Result<Pool, DbError> {
     pool_of(pg_config_with(cfg, DATA_PATH_SETTINGS)?, cfg.pool_size)
 }
 
+/// Lease renewal and recovery: two connections of their own, with the data path's settings.
+pub fn control_pool(cfg: &PostgresConfig) -> Result<Pool, DbError> {
+    pool_of(pg_config_with(cfg, DATA_PATH_SETTINGS)?, 2)
+}
+
 pub fn pool(cfg: &PostgresConfig) -> Result<Pool, DbError> {
     pool_of(pg_config(cfg)?, cfg.pool_size)
 }

@@ -129,6 +129,12 @@ impl Work {
 
 pub struct Executor {
     pool: Pool,
+    /// A small pool of its own for lease renewal and recovery, so they always get a connection
+    /// however busy the data path is.
+    control: Pool,
+    /// Places for sql tools' statements, fewer than the data path's connections: their
+    /// transactions never take every connection from recording and claiming.
+    sql_slots: Arc<Semaphore>,
     config: Arc<Config>,
     tools: HashMap<String, Arc<Tool>>,
     tool_permits: HashMap<String, Arc<Semaphore>>,
@@ -154,7 +160,7 @@ pub struct Executor {
 }
 
 impl Executor {
-    pub fn new(config: Arc<Config>, pool: Pool, metrics: Arc<Metrics>) -> Arc<Self> {
+    pub fn new(config: Arc<Config>, pool: Pool, control: Pool, metrics: Arc<Metrics>) -> Arc<Self> {
         let tools: HashMap<String, Arc<Tool>> = config
             .tools
             .iter()
@@ -235,6 +241,10 @@ impl Executor {
             })
         };
         Arc::new(Executor {
+            control,
+            sql_slots: Arc::new(Semaphore::new(
+                config.postgres.pool_size.saturating_sub(2).max(1),
+            )),
             config: config.clone(),
             claims,
             finishes,
@@ -747,6 +757,12 @@ impl Executor {
     /// The sql executor: the statement runs in the transaction that records its outcome, so
     /// the effect and its record commit together or not at all.
     async fn record_sql(&self, c: &Claimed, tool: &Tool) -> Result<(), ExecError> {
+        let _slot = self
+            .sql_slots
+            .clone()
+            .acquire_owned()
+            .await
+            .expect("never closed");
         let mut client = self.pool.get().await.map_err(DbError::from)?;
         let tx = client.transaction().await.map_err(DbError::from)?;
         let started = Instant::now();
@@ -814,7 +830,7 @@ impl Executor {
                 .iter()
                 .copied()
                 .collect();
-            match self.pool.get().await {
+            match self.control.get().await {
                 Ok(client) => {
                     if let Err(e) =
                         store::extend_leases(&**client, &self.owner, &ids, self.lease.as_secs_f64())
@@ -845,11 +861,11 @@ impl Executor {
     }
 
     pub async fn recover_once(self: &Arc<Self>) -> Result<usize, DbError> {
-        let expired = crate::inspect::expire_approvals(&self.pool, &self.config).await?;
+        let expired = crate::inspect::expire_approvals(&self.control, &self.config).await?;
         if expired > 0 {
             tracing::info!(expired, "approvals timed out");
         }
-        let mut client = self.pool.get().await?;
+        let mut client = self.control.get().await?;
         if let Ok(counts) = store::parked_counts(&**client).await {
             for status in ["unknown", "pending_approval"] {
                 let n = counts

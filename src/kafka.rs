@@ -10,7 +10,7 @@ use rdkafka::client::DefaultClientContext;
 use rdkafka::config::{ClientConfig, RDKafkaLogLevel};
 use rdkafka::consumer::{ConsumerContext, Rebalance, StreamConsumer};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
-use rdkafka::producer::FutureProducer;
+use rdkafka::producer::{FutureProducer, Producer};
 use rdkafka::{ClientContext, Statistics, TopicPartitionList};
 
 use crate::config::KafkaConfig;
@@ -26,6 +26,12 @@ pub struct RelayContext {
 
 impl ClientContext for RelayContext {
     fn stats(&self, stats: Statistics) {
+        // Readiness follows the brokers: up while librdkafka has a connection up to at least
+        // one of them (bootstrap entries included), whatever the group is doing.
+        if !stats.brokers.is_empty() {
+            let up = stats.brokers.values().any(|b| b.state == "UP");
+            self.brokers_up.store(up, Ordering::Relaxed);
+        }
         let Some(topic) = stats.topics.get(&self.actions_topic) else {
             return;
         };
@@ -134,6 +140,63 @@ pub fn producer(cfg: &KafkaConfig) -> Result<FutureProducer, KafkaError> {
         c.set(k, v);
     }
     c.create()
+}
+
+/// The relay's producer (outcomes and dead letters), replaced by a new one when librdkafka
+/// reports a fatal error: an idempotent producer that lost track of its sequence numbers can
+/// never send again, and without a new one every outcome would wait forever.
+#[derive(Clone)]
+pub struct SharedProducer {
+    /// The producer in use, and how many times it was rebuilt (so two callers that saw the
+    /// same failure rebuild it once).
+    current: Arc<std::sync::RwLock<(u64, FutureProducer)>>,
+    config: Arc<KafkaConfig>,
+}
+
+impl SharedProducer {
+    pub fn new(config: &KafkaConfig) -> Result<Self, KafkaError> {
+        Ok(SharedProducer {
+            current: Arc::new(std::sync::RwLock::new((0, producer(config)?))),
+            config: Arc::new(config.clone()),
+        })
+    }
+
+    /// The producer to send with, and its generation for [`SharedProducer::heal`].
+    pub fn get(&self) -> (u64, FutureProducer) {
+        self.current.read().expect("not poisoned").clone()
+    }
+
+    /// After a failed send with the producer of `generation`: when that producer has failed
+    /// fatally, a new one replaces it. Returns whether it was replaced.
+    pub fn heal(&self, generation: u64, metrics: &Metrics) -> bool {
+        let (seen, failed) = self.get();
+        if seen != generation {
+            return false; // somebody else rebuilt it already
+        }
+        let Some((code, reason)) = failed.client().fatal_error() else {
+            return false;
+        };
+        match producer(&self.config) {
+            Ok(fresh) => {
+                let mut current = self.current.write().expect("not poisoned");
+                if current.0 == generation {
+                    *current = (generation + 1, fresh);
+                    metrics.producer_rebuilt();
+                    tracing::error!(
+                        ?code,
+                        reason,
+                        "the producer failed fatally; a new one replaces it"
+                    );
+                    return true;
+                }
+                false
+            }
+            Err(e) => {
+                tracing::error!(error = %e, ?code, "the producer failed fatally and a new one cannot be made");
+                false
+            }
+        }
+    }
 }
 
 /// Creates the actions, outcomes and dead-letter topics when they are missing.

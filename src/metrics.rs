@@ -65,6 +65,7 @@ pub struct Metrics {
     postgres_retries: IntCounterVec,
     outbox_quarantined: prometheus::IntCounter,
     dead_letters_failed: prometheus::IntCounter,
+    producers_rebuilt: prometheus::IntCounter,
     /// 1 while the relay's last write to Postgres went through; 0 while writes fail (down,
     /// read-only, out of space). `/readyz` reads it too.
     postgres_writable: IntGauge,
@@ -185,7 +186,16 @@ impl Metrics {
             )
             .expect("valid metric"),
         );
+        let producers_rebuilt = r.add(
+            "idem_producer_rebuilt_total",
+            prometheus::IntCounter::new(
+                "idem_producer_rebuilt_total",
+                "Times the producer failed fatally (librdkafka) and was replaced by a new one.",
+            )
+            .expect("valid metric"),
+        );
         Metrics {
+            producers_rebuilt,
             outbox_quarantined,
             dead_letters_failed,
             postgres_writable,
@@ -330,5 +340,9 @@ impl Metrics {
 
     pub fn dead_letter_failed(&self) {
         self.dead_letters_failed.inc();
+    }
+
+    pub fn producer_rebuilt(&self) {
+        self.producers_rebuilt.inc();
     }
 }

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use deadpool_postgres::Pool;
 use futures::StreamExt;
 use rdkafka::message::{Header, OwnedHeaders};
-use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::producer::FutureRecord;
 use tokio::sync::Notify;
 use tokio_postgres::{AsyncMessage, NoTls};
 use tokio_util::sync::CancellationToken;
@@ -41,7 +41,7 @@ impl From<tokio_postgres::Error> for PublishError {
 pub struct Publisher {
     pub config: Arc<Config>,
     pub pool: Pool,
-    pub producer: FutureProducer,
+    pub producer: crate::kafka::SharedProducer,
     pub metrics: Arc<Metrics>,
     pub wake: Arc<Notify>,
 }
@@ -110,6 +110,7 @@ impl Publisher {
             return Ok(0);
         }
         let topic = &self.config.kafka.outcomes_topic;
+        let (generation, producer) = self.producer.get();
         let mut pending = Vec::with_capacity(rows.len());
         let mut refused = Vec::new();
         let mut enqueue_failed = None;
@@ -130,7 +131,7 @@ impl Publisher {
                 .payload(&payload)
                 .headers(headers);
             // send_result only enqueues; the acknowledgements are awaited together below.
-            match self.producer.send_result(record) {
+            match producer.send_result(record) {
                 Ok(delivery) => pending.push((row.id, row.event_id.clone(), delivery)),
                 // Refused for good: set aside, so the rows after it go out.
                 Err((e, _)) if refused_for_good(&e) => refused.push((row, e)),
@@ -190,6 +191,7 @@ impl Publisher {
             tracing::error!(event_id = %row.event_id, key = %row.key, error = %e, "outcome event refused by the producer for good; quarantined in the outbox");
         }
         if let Some(e) = failed {
+            self.producer.heal(generation, &self.metrics);
             return Err(e);
         }
         Ok(rows.len())

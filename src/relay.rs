@@ -87,7 +87,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Handle
         std::time::Duration::from_secs(10),
     )?;
     kafka_up.store(true, Ordering::Relaxed);
-    let producer = kafka::producer(&config.kafka)?;
+    let producer = kafka::SharedProducer::new(&config.kafka)?;
 
     let listener = TcpListener::bind(config.admin.listen)
         .await
@@ -107,7 +107,8 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Handle
         schema: config.postgres.schema.clone(),
     });
 
-    let executor = Executor::new(config.clone(), pool.clone(), metrics.clone());
+    let control = db::control_pool(&config.postgres)?;
+    let executor = Executor::new(config.clone(), pool.clone(), control, metrics.clone());
     let wake = Arc::new(Notify::new());
     let stop_background = CancellationToken::new();
     let publisher_drained = CancellationToken::new();
@@ -193,7 +194,10 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Handle
         let _ = lease_task.await;
         let _ = prune_task.await;
         let _ = listen_task.await;
-        let _ = rdkafka::producer::Producer::flush(&producer, std::time::Duration::from_secs(10));
+        let _ = rdkafka::producer::Producer::flush(
+            &producer.get().1,
+            std::time::Duration::from_secs(10),
+        );
         drop(consumer);
         let _ = admin_task.await;
         tracing::info!("relay stopped");

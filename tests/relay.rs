@@ -700,3 +700,85 @@ async fn an_outbox_row_the_producer_refuses_is_quarantined_and_the_rest_go_out()
     );
     relay.stop().await;
 }
+
+const SLOW_SQL: &str = r#"
+[[tools]]
+name = "slow_sql"
+class = "dangerous"
+key = ["run_id", "tool", "business_id"]
+executor = { kind = "sql", statement = "select pg_sleep(3), $1::text as key", params = ["key"], timeout = "10s" }
+
+[[tools]]
+name = "too_slow_sql"
+class = "dangerous"
+key = ["run_id", "tool", "business_id"]
+executor = { kind = "sql", statement = "select pg_sleep(30), $1::text as key", params = ["key"], timeout = "500ms" }
+"#;
+
+/// Slow sql statements can never take every connection of the data path: with a pool of 4
+/// and 8 slow statements wanted at once, an http action sent meanwhile is recorded, called and
+/// answered while they still run. A statement past its tool's timeout is cancelled and the
+/// action `failed` with SQLSTATE 57014.
+#[tokio::test]
+async fn sql_tools_never_take_the_whole_pool_and_are_bounded_by_their_timeout() {
+    let env = Env::new().await;
+    let tools = format!("{EMAIL}\n{SLOW_SQL}");
+    let text = env
+        .config_text(&tools, "")
+        .replace("pool_size = 8", "pool_size = 4");
+    env.config(&tools, "").await; // migrates
+    let config = idem::config::Config::from_toml(&text, |_| None).unwrap();
+    let outcomes = env.outcomes().await;
+    let relay = env.start(config).await;
+    let p = env.producer();
+    let slow: Vec<String> = (0..8).map(|i| format!("slow-{i}")).collect();
+    for id in &slow {
+        p.send(&action(
+            id,
+            json!({"run_id": "sq", "tool": "slow_sql", "business_id": id, "args": {}}),
+        ))
+        .await;
+    }
+    let pg = env.pg().await;
+    let sleeping = || async {
+        pg.query_one(
+            "select count(*) from pg_stat_activity where state = 'active' and query like 'select pg_sleep(3)%'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get::<_, i64>(0)
+    };
+    common::eventually(
+        "the slow statements to run",
+        Duration::from_secs(30),
+        || async { sleeping().await >= 1 },
+    )
+    .await;
+    p.send(&action("fast", email("sq", "fast", "hello"))).await;
+    outcomes.answer("fast", "succeeded").await;
+    assert!(
+        sleeping().await >= 1,
+        "answered while slow statements were still running"
+    );
+    assert!(
+        sleeping().await <= 2,
+        "at most pool_size - 2 statements at once"
+    );
+    outcomes.answer_all(&slow, Duration::from_secs(60)).await;
+
+    p.send(&action(
+        "too-slow",
+        json!({"run_id": "sq", "tool": "too_slow_sql", "business_id": "x", "args": {}}),
+    ))
+    .await;
+    let o = outcomes.answer("too-slow", "failed").await;
+    assert!(
+        o["data"]["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("57014"),
+        "{o}"
+    );
+    relay.stop().await;
+}
