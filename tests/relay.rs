@@ -782,3 +782,54 @@ async fn sql_tools_never_take_the_whole_pool_and_are_bounded_by_their_timeout() 
     );
     relay.stop().await;
 }
+
+/// A dead letter that cannot be written (here its topic does not exist yet) is tried a bounded
+/// number of times; then its batch is rewound, nothing of it recorded, and read again: the
+/// offset never passes a message that is neither recorded nor dead-lettered. Once the topic
+/// exists, the bad message is dead-lettered and the valid one after it executed once.
+#[tokio::test]
+async fn a_dead_letter_that_cannot_be_written_rewinds_its_batch_and_loses_nothing() {
+    let env = Env::new().await;
+    let text = env.config_text(EMAIL, "").replace(
+        "partitions = 6",
+        "partitions = 6\ncreate_topics = false\nproducer = { \"message.timeout.ms\" = \"1500\", \"topic.metadata.propagation.max.ms\" = \"300\" }",
+    );
+    env.config(EMAIL, "").await; // migrates
+    let config = idem::config::Config::from_toml(&text, |_| None).unwrap();
+    let mut without_dlq = config.kafka.clone();
+    without_dlq.dlq_topic = format!("{}.unused", env.dlq);
+    idem::kafka::ensure_topics(&without_dlq).await.unwrap();
+    let outcomes = env.outcomes().await;
+    let relay = env.start(config.clone()).await;
+    let p = env.producer();
+    p.send_raw(Some("k"), b"not json at all", OwnedHeaders::new())
+        .await;
+    p.send(&action("valid", email("dl", "b1", "hello"))).await;
+    common::eventually(
+        "a dead letter given up on",
+        Duration::from_secs(120),
+        || async {
+            let m = common::metrics(relay.admin()).await;
+            common::sample(&m, "idem_dead_letters_failed_total") >= 1.0
+        },
+    )
+    .await;
+    assert!(
+        outcomes.answers("valid").is_empty(),
+        "nothing of the batch recorded"
+    );
+    assert_eq!(env.downstream.total_effects(), 0);
+
+    idem::kafka::ensure_topics(&config.kafka).await.unwrap();
+    let dead = env.dead_letters().await;
+    outcomes.answer("valid", "succeeded").await;
+    dead.wait_for(
+        "the bad message dead-lettered",
+        Duration::from_secs(60),
+        |all| !all.is_empty(),
+    )
+    .await;
+    assert_eq!(dead.all()[0].payload, b"not json at all".to_vec());
+    assert_eq!(env.downstream.total_effects(), 1);
+    relay.stop().await;
+}
