@@ -11,6 +11,16 @@ use std::time::Duration;
 use common::{action, Env};
 use serde_json::json;
 
+/// The status of `/readyz`, and whether it names Kafka as unreachable.
+async fn readyz(addr: std::net::SocketAddr) -> (u16, bool) {
+    let r = reqwest::get(format!("http://{addr}/readyz")).await.unwrap();
+    let status = r.status().as_u16();
+    (
+        status,
+        r.text().await.unwrap().contains("kafka: unreachable"),
+    )
+}
+
 const TOOL: &str = r#"
 [[tools]]
 name = "send_email"
@@ -49,7 +59,13 @@ async fn the_broker_killed_and_restarted_while_actions_flow_loses_and_repeats_no
         futures::future::join_all(events[100..200].iter().map(|e| p.send(e))).await;
     };
     let back = async {
-        tokio::time::sleep(Duration::from_secs(3)).await;
+        // Readiness follows the brokers, not only the group's assignment.
+        common::eventually(
+            "/readyz to say kafka is down",
+            Duration::from_secs(30),
+            || async { readyz(relay.admin()).await == (503, true) },
+        )
+        .await;
         drop(restart);
     };
     tokio::join!(held, back);
@@ -73,6 +89,12 @@ async fn the_broker_killed_and_restarted_while_actions_flow_loses_and_repeats_no
     assert!(dead.json().is_empty(), "dead-lettered: {:?}", dead.json());
     assert_eq!(env.downstream.total_effects(), 300);
     assert_eq!(env.downstream.repeated_keys(), Vec::<(String, u64)>::new());
+    common::eventually(
+        "/readyz to say ready again",
+        Duration::from_secs(30),
+        || async { readyz(relay.admin()).await.0 == 200 },
+    )
+    .await;
     let m = common::metrics(relay.admin()).await;
     assert!(
         common::sample(
