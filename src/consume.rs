@@ -31,6 +31,17 @@ const MAX_DETAIL_BYTES: usize = 4096;
 /// A dead letter that could not be written; the message's offset must not move past it.
 struct DeadLetterFailed;
 
+/// A message's headers as (key, value) pairs; a header without a value is empty.
+fn headers_of<'a>(m: &'a BorrowedMessage<'_>) -> Vec<(&'a str, &'a [u8])> {
+    m.headers()
+        .map(|h| {
+            h.iter()
+                .map(|h| (h.key, h.value.unwrap_or_default()))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
 fn truncate(s: &str, max: usize) -> &str {
     if s.len() <= max {
         return s;
@@ -280,14 +291,7 @@ impl Consume {
             partition: m.partition(),
             offset: m.offset(),
         };
-        let headers: Vec<(&str, &[u8])> = m
-            .headers()
-            .map(|h| {
-                h.iter()
-                    .map(|h| (h.key, h.value.unwrap_or_default()))
-                    .collect()
-            })
-            .unwrap_or_default();
+        let headers = headers_of(m);
         let rejected = |bad: BadAction| Incoming::Rejected {
             pos: pos.clone(),
             code: bad.reason.as_str(),
@@ -373,14 +377,7 @@ impl Consume {
         let partition = m.partition().to_string();
         let offset = m.offset().to_string();
         // The size budget counts headers too: the original ones go along only while they fit.
-        let original: Vec<(&str, &[u8])> = m
-            .headers()
-            .map(|h| {
-                h.iter()
-                    .map(|h| (h.key, h.value.unwrap_or_default()))
-                    .collect()
-            })
-            .unwrap_or_default();
+        let original = headers_of(m);
         let original_bytes: usize = original.iter().map(|(k, v)| k.len() + v.len()).sum();
         let detail = truncate(detail, MAX_DETAIL_BYTES);
         let keep_original = original_bytes <= MAX_DEAD_LETTER_BYTES / 4;

@@ -94,6 +94,13 @@ impl Registrar {
         )
     }
 
+    fn int_counter(&mut self, name: &str, help: &str) -> prometheus::IntCounter {
+        self.add(
+            name,
+            prometheus::IntCounter::new(name, help).expect("valid metric"),
+        )
+    }
+
     fn gauge_vec(&mut self, name: &str, help: &str, labels: &[&str]) -> IntGaugeVec {
         self.add(
             name,
@@ -170,29 +177,11 @@ impl Metrics {
             .expect("valid metric"),
         );
         postgres_writable.set(1);
-        let outbox_quarantined = r.add(
-            "idem_outbox_quarantined_total",
-            prometheus::IntCounter::new(
-                "idem_outbox_quarantined_total",
-                "Outcome events the producer refused for good (too large, invalid), set aside in the outbox.",
-            )
-            .expect("valid metric"),
-        );
-        let dead_letters_failed = r.add(
-            "idem_dead_letters_failed_total",
-            prometheus::IntCounter::new(
-                "idem_dead_letters_failed_total",
-                "Dead letters that could not be written after bounded tries; their batch is read again.",
-            )
-            .expect("valid metric"),
-        );
-        let producers_rebuilt = r.add(
+        let outbox_quarantined = r.int_counter("idem_outbox_quarantined_total", "Outcome events the producer refused for good (too large, invalid), set aside in the outbox.");
+        let dead_letters_failed = r.int_counter("idem_dead_letters_failed_total", "Dead letters that could not be written after bounded tries; their batch is read again.");
+        let producers_rebuilt = r.int_counter(
             "idem_producer_rebuilt_total",
-            prometheus::IntCounter::new(
-                "idem_producer_rebuilt_total",
-                "Times the producer failed fatally (librdkafka) and was replaced by a new one.",
-            )
-            .expect("valid metric"),
+            "Times the producer failed fatally (librdkafka) and was replaced by a new one.",
         );
         Metrics {
             producers_rebuilt,

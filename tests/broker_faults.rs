@@ -21,22 +21,14 @@ async fn readyz(addr: std::net::SocketAddr) -> (u16, bool) {
     )
 }
 
-const TOOL: &str = r#"
-[[tools]]
-name = "send_email"
-class = "dangerous"
-key = ["run_id", "tool", "business_id"]
-material = ["args.to"]
-executor = { kind = "http", url = "{downstream}/v1/send_email", timeout = "1s" }
-verify = { url = "{downstream}/v1/effects/{key}", max_attempts = 5, backoff = "50ms" }
-"#;
-
 #[tokio::test]
 async fn the_broker_killed_and_restarted_while_actions_flow_loses_and_repeats_nothing() {
     let env = Env::new().await;
     let outcomes = env.outcomes().await;
     let dead = env.dead_letters().await;
-    let relay = env.start(env.config(TOOL, "").await).await;
+    let relay = env
+        .start(env.config(&common::email_tool(true), "").await)
+        .await;
     let p = env.producer();
     let ids: Vec<String> = (0..300).map(|i| format!("k{i}")).collect();
     let events: Vec<_> = ids

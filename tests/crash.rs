@@ -9,30 +9,9 @@ mod common;
 use std::collections::HashSet;
 use std::time::Duration;
 
-use common::{action, Child, Env};
+use common::{action, email_tool, Child, Env};
 use idem::fake_downstream::Step;
 use serde_json::json;
-
-fn email_tool(verify: bool) -> String {
-    let verify = if verify {
-        r#"verify = { url = "{downstream}/v1/effects/{key}", max_attempts = 5, backoff = "50ms" }"#
-    } else {
-        // Unverifiable on purpose; without the opt-out every intent would wait for approval.
-        r#"approval = "none""#
-    };
-    format!(
-        r#"
-[[tools]]
-name = "send_email"
-class = "dangerous"
-key = ["run_id", "tool", "business_id"]
-material = ["args.to"]
-executor = {{ kind = "http", url = "{{downstream}}/v1/send_email", timeout = "1s" }}
-retry = {{ max_attempts = 3, initial_backoff = "10ms", max_backoff = "50ms" }}
-{verify}
-"#
-    )
-}
 
 fn email(run: &str, business: &str) -> serde_json::Value {
     json!({"run_id": run, "tool": "send_email", "business_id": business, "args": {"to": "customer-1", "subject": "Hello"}})
@@ -750,20 +729,7 @@ async fn a_relay_that_cannot_renew_its_lease_during_a_slow_call_is_not_doubled()
     let dir = tempfile::tempdir().unwrap();
     let tools = email_tool(true).replace("timeout = \"1s\"", "timeout = \"8s\"");
     let direct = common::config_file(&env, dir.path(), &tools, "").await;
-    let upstream = common::postgres_url()
-        .split('@')
-        .nth(1)
-        .and_then(|h| h.split('/').next())
-        .unwrap()
-        .to_string();
-    let proxy = common::FaultProxy::start(
-        tokio::net::lookup_host(&upstream)
-            .await
-            .unwrap()
-            .next()
-            .unwrap(),
-    )
-    .await;
+    let (proxy, upstream) = common::postgres_proxy().await;
     let proxied = dir.path().join("proxied.toml");
     std::fs::write(
         &proxied,

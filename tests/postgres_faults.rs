@@ -10,7 +10,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{action, Env, FaultProxy, ProxyMode};
+use common::{action, Env, ProxyMode};
 use serde_json::json;
 
 /// One test at a time in this binary: each changes the whole cluster.
@@ -58,16 +58,8 @@ impl Drop for ReadOnly {
     }
 }
 
-fn email_tool() -> &'static str {
-    r#"
-[[tools]]
-name = "send_email"
-class = "dangerous"
-key = ["run_id", "tool", "business_id"]
-material = ["args.to"]
-executor = { kind = "http", url = "{downstream}/v1/send_email", timeout = "1s" }
-verify = { url = "{downstream}/v1/effects/{key}", max_attempts = 5, backoff = "50ms" }
-"#
+fn email_tool() -> String {
+    common::email_tool(true)
 }
 
 fn email(business: &str) -> serde_json::Value {
@@ -89,7 +81,7 @@ async fn postgres_read_only_for_ten_seconds_loses_nothing_and_repeats_nothing() 
     let env = Env::new().await;
     let outcomes = env.outcomes().await;
     let dead = env.dead_letters().await;
-    let relay = env.start(env.config(email_tool(), "").await).await;
+    let relay = env.start(env.config(&email_tool(), "").await).await;
     let p = env.producer();
     p.send(&action("warm", email("warm"))).await;
     outcomes.answer("warm", "succeeded").await;
@@ -183,23 +175,10 @@ async fn assert_each_answered_and_executed_once(
 async fn connections_to_postgres_cut_for_ten_seconds_lose_nothing_and_repeat_nothing() {
     let _one = CLUSTER.lock().await;
     let env = Env::new().await;
-    env.config(email_tool(), "").await; // migrates, directly
-    let upstream = common::postgres_url()
-        .split('@')
-        .nth(1)
-        .and_then(|h| h.split('/').next())
-        .unwrap()
-        .to_string();
-    let proxy = FaultProxy::start(
-        tokio::net::lookup_host(&upstream)
-            .await
-            .unwrap()
-            .next()
-            .unwrap(),
-    )
-    .await;
+    env.config(&email_tool(), "").await; // migrates, directly
+    let (proxy, upstream) = common::postgres_proxy().await;
     let text = env
-        .config_text(email_tool(), "")
+        .config_text(&email_tool(), "")
         .replace(&upstream, &proxy.addr.to_string());
     let config = idem::config::Config::from_toml(&text, |_| None).unwrap();
     let outcomes = env.outcomes().await;
@@ -245,7 +224,7 @@ async fn postgres_stopped_for_seventy_seconds_loses_nothing_and_repeats_nothing(
     let env = Env::new().await;
     let outcomes = env.outcomes().await;
     let dead = env.dead_letters().await;
-    let relay = env.start(env.config(email_tool(), "").await).await;
+    let relay = env.start(env.config(&email_tool(), "").await).await;
     let p = env.producer();
     p.send(&action("warm", email("warm"))).await;
     outcomes.answer("warm", "succeeded").await;

@@ -699,3 +699,43 @@ pub fn kill_broker() -> BrokerKilled {
     assert!(ok.success(), "kill -9 the broker");
     BrokerKilled
 }
+
+/// A TCP fault proxy in front of the test Postgres, and the `host:port` of the real server
+/// (to be replaced by `proxy.addr` in a config's URL).
+pub async fn postgres_proxy() -> (FaultProxy, String) {
+    let upstream = postgres_url()
+        .split('@')
+        .nth(1)
+        .and_then(|h| h.split('/').next())
+        .unwrap()
+        .to_string();
+    let addr = tokio::net::lookup_host(&upstream)
+        .await
+        .unwrap()
+        .next()
+        .unwrap();
+    (FaultProxy::start(addr).await, upstream)
+}
+
+/// The dangerous `send_email` tool most crash tests use: with `verify` against the fake
+/// downstream, or unverifiable (and then opted out of approval on purpose).
+pub fn email_tool(verify: bool) -> String {
+    let verify = if verify {
+        r#"verify = { url = "{downstream}/v1/effects/{key}", max_attempts = 5, backoff = "50ms" }"#
+    } else {
+        // Unverifiable on purpose; without the opt-out every intent would wait for approval.
+        r#"approval = "none""#
+    };
+    format!(
+        r#"
+[[tools]]
+name = "send_email"
+class = "dangerous"
+key = ["run_id", "tool", "business_id"]
+material = ["args.to"]
+executor = {{ kind = "http", url = "{{downstream}}/v1/send_email", timeout = "1s" }}
+retry = {{ max_attempts = 3, initial_backoff = "10ms", max_backoff = "50ms" }}
+{verify}
+"#
+    )
+}
