@@ -17,10 +17,10 @@ use crate::config::Config;
 use crate::db::DbError;
 use crate::event::{self, BadAction};
 use crate::execute::Executor;
+use crate::intent::{Incoming, KeyedAction, Position};
 use crate::kafka::ActionConsumer;
 use crate::key;
 use crate::metrics::{Metrics, Origin};
-use crate::store::{self, Incoming, KeyedAction, Position};
 
 /// Tries to write one dead letter before the batch is given up and read again (about 30 s
 /// with the backoff, each try bounded by the producer's own timeout).
@@ -144,7 +144,7 @@ impl Consume {
             }
         }
 
-        let channel = store::outbox_channel(&self.config.postgres.schema);
+        let channel = crate::publish::outbox::outbox_channel(&self.config.postgres.schema);
         let mut backoff = Duration::from_millis(50);
         let result = loop {
             match self.record(&items, &channel).await {
@@ -230,8 +230,8 @@ impl Consume {
         items: &[Incoming],
         channel: &str,
         shutdown: &CancellationToken,
-    ) -> Option<store::BatchResult> {
-        let mut all = store::BatchResult::default();
+    ) -> Option<crate::intent::BatchResult> {
+        let mut all = crate::intent::BatchResult::default();
         for (m, item) in batch.iter().zip(items) {
             let mut backoff = Duration::from_millis(50);
             let r = loop {
@@ -273,14 +273,14 @@ impl Consume {
         &self,
         items: &[Incoming],
         channel: &str,
-    ) -> Result<store::BatchResult, DbError> {
+    ) -> Result<crate::intent::BatchResult, DbError> {
         let mut client = self.pool.get().await?;
         let tx = client.transaction().await?;
-        let claimant = store::Claimant {
+        let claimant = crate::intent::Claimant {
             owner: &self.config.relay.instance_id,
             lease_secs: self.config.relay.lease.as_secs_f64(),
         };
-        let r = store::record_batch(&tx, items, channel, claimant).await?;
+        let r = crate::intent::record_batch(&tx, items, channel, claimant).await?;
         tx.commit().await?;
         Ok(r)
     }
@@ -335,7 +335,8 @@ impl Consume {
         };
         match key::derive_key(tool, &event.data) {
             Ok(k) => {
-                let gates = store::Gates::of(tool, &event.data, self.config.relay.max_per_run);
+                let gates =
+                    crate::gates::Gates::of(tool, &event.data, self.config.relay.max_per_run);
                 Incoming::Action(Box::new(KeyedAction::new(pos, event, tool, k, gates)))
             }
             Err(e) => {

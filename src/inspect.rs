@@ -6,7 +6,7 @@ use serde_json::{json, Value};
 
 use crate::db::DbError;
 use crate::event::{OutcomeError, OutcomeStatus};
-use crate::store::{self, FinishError, Guard, Settled};
+use crate::outcome::{FinishError, Guard, Settled};
 
 #[derive(Debug, thiserror::Error)]
 pub enum InspectError {
@@ -299,7 +299,7 @@ pub async fn resolve(
             status,
         });
     }
-    let channel = store::outbox_channel(schema);
+    let channel = crate::publish::outbox::outbox_channel(schema);
     let settled = match how {
         Resolution::Succeeded => Some(Settled {
             status: OutcomeStatus::Succeeded,
@@ -322,7 +322,16 @@ pub async fn resolve(
     };
     match settled {
         Some(settled) => {
-            match store::finish(&tx, id, Guard::Parked("unknown"), &settled, None, &channel).await {
+            match crate::outcome::finish(
+                &tx,
+                id,
+                Guard::Parked("unknown"),
+                &settled,
+                None,
+                &channel,
+            )
+            .await
+            {
                 Ok(_) => {}
                 Err(FinishError::Fenced(_)) => {
                     return Err(InspectError::NotParked {
@@ -455,8 +464,8 @@ pub async fn decide(
                 }),
                 attempts: 0,
             };
-            let channel = store::outbox_channel(schema);
-            match store::finish(
+            let channel = crate::publish::outbox::outbox_channel(schema);
+            match crate::outcome::finish(
                 &tx,
                 id,
                 Guard::Parked("pending_approval"),
@@ -501,7 +510,7 @@ pub async fn expire_approvals(
     pool: &Pool,
     config: &crate::config::Config,
 ) -> Result<usize, DbError> {
-    let channel = store::outbox_channel(&config.postgres.schema);
+    let channel = crate::publish::outbox::outbox_channel(&config.postgres.schema);
     let mut expired = 0;
     for tool in config
         .tools
@@ -530,7 +539,7 @@ pub async fn expire_approvals(
                 }),
                 attempts: 0,
             };
-            match store::finish(
+            match crate::outcome::finish(
                 &tx,
                 id,
                 Guard::Parked("pending_approval"),

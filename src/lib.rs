@@ -26,7 +26,6 @@
 //! [`fake_downstream`] (a downstream that counts effects).
 
 pub mod admin;
-pub mod answer;
 pub mod attempt_log;
 pub mod batch;
 pub mod config;
@@ -35,11 +34,14 @@ pub mod db;
 pub mod event;
 pub mod execute;
 pub mod fake_downstream;
+pub mod gates;
 pub mod http;
 pub mod inspect;
+pub mod intent;
 pub mod kafka;
 pub mod key;
 pub mod metrics;
+pub mod outcome;
 pub mod publish;
+pub mod recovery;
 pub mod relay;
-pub mod store;

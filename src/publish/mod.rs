@@ -17,7 +17,10 @@ use crate::config::Config;
 use crate::db::{self, DbError};
 use crate::event::STRUCTURED_CONTENT_TYPE;
 use crate::metrics::Metrics;
-use crate::store;
+
+pub mod outbox;
+
+pub use outbox::outbox_channel;
 
 const BATCH: i64 = 1000;
 
@@ -95,7 +98,7 @@ impl Publisher {
 
     async fn update_lag(&self) {
         if let Ok(client) = self.pool.get().await {
-            if let Ok((pending, age)) = store::outbox_lag(&**client).await {
+            if let Ok((pending, age)) = crate::publish::outbox::outbox_lag(&**client).await {
                 self.metrics.outbox(pending, age);
             }
         }
@@ -105,7 +108,7 @@ impl Publisher {
     pub async fn publish_once(&self) -> Result<usize, PublishError> {
         let mut client = self.pool.get().await.map_err(DbError::from)?;
         let tx = client.transaction().await?;
-        let rows = store::unpublished(&tx, BATCH).await?;
+        let rows = crate::publish::outbox::unpublished(&tx, BATCH).await?;
         if rows.is_empty() {
             return Ok(0);
         }
@@ -179,10 +182,10 @@ impl Publisher {
             }
         }
         crate::execute::crash_point!("after-publish-before-mark");
-        store::mark_published(&tx, &acked).await?;
+        crate::publish::outbox::mark_published(&tx, &acked).await?;
         for (row, e) in &refused {
             let reason = format!("the producer refused it: {e}");
-            store::quarantine(&tx, row.id, &reason).await?;
+            crate::publish::outbox::quarantine(&tx, row.id, &reason).await?;
         }
         tx.commit().await?;
         self.metrics.published(topic, acked.len() as u64);
@@ -201,7 +204,7 @@ impl Publisher {
 /// Listens on the outbox channel and wakes the publisher on every notification; reconnects
 /// when the connection drops (the publisher polls meanwhile).
 pub async fn listen(config: Arc<Config>, wake: Arc<Notify>, shutdown: CancellationToken) {
-    let channel = store::outbox_channel(&config.postgres.schema);
+    let channel = crate::publish::outbox::outbox_channel(&config.postgres.schema);
     loop {
         let attempt = async {
             let pg = db::pg_config(&config.postgres)?;

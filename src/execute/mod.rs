@@ -28,7 +28,6 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use crate::answer::KeyState;
 use crate::attempt_log;
 use crate::batch::{BatchError, Batcher};
 use crate::config::{Config, Executor as ExecutorKind, RetryPolicy, SqlParam, Tool, ToolClass};
@@ -37,7 +36,12 @@ use crate::event::{ActionData, OutcomeError, OutcomeStatus};
 use crate::http::{self, Attempt, Verified};
 use crate::key;
 use crate::metrics::Metrics;
-use crate::store::{self, AttemptEnd, Claimed, Finish, FinishError, Guard, Settled};
+use crate::outcome::answer::KeyState;
+use crate::outcome::{Finish, FinishError, Guard, Settled};
+
+pub mod claim;
+
+use claim::{AttemptEnd, Claimed};
 
 /// Intents that may wait for a permit at once; past this the consumer waits.
 const QUEUE_PER_PERMIT: usize = 4;
@@ -69,7 +73,7 @@ async fn finish_group(
 ) -> Result<Vec<Option<KeyState>>, DbError> {
     let mut client = pool.get().await?;
     let tx = client.transaction().await?;
-    let states = store::finish_many(&tx, items, channel).await?;
+    let states = crate::outcome::finish_many(&tx, items, channel).await?;
     crash_point!("before-outcome-commit");
     tx.commit().await?;
     crash_point!("after-outcome-commit");
@@ -155,7 +159,7 @@ pub struct Executor {
     claims: Batcher<i64, Result<Option<Claimed>, BatchError>>,
     finishes: Batcher<Finish, Result<Option<KeyState>, BatchError>>,
     /// Group commit of the lease re-checks made before a queued claim's first send.
-    fences: Batcher<store::Fence, Result<bool, BatchError>>,
+    fences: Batcher<crate::execute::claim::Fence, Result<bool, BatchError>>,
     tasks: Mutex<JoinSet<()>>,
 }
 
@@ -178,7 +182,7 @@ impl Executor {
             .expect("http client builds");
         let owner = config.relay.instance_id.clone();
         let lease = config.relay.lease.as_secs_f64();
-        let channel = store::outbox_channel(&config.postgres.schema);
+        let channel = crate::publish::outbox::outbox_channel(&config.postgres.schema);
         let claims = {
             let (pool, owner) = (pool.clone(), owner.clone());
             Batcher::spawn(BATCH, BATCH_WORKERS, move |ids: Vec<i64>| {
@@ -186,7 +190,7 @@ impl Executor {
                 async move {
                     let claimed = async {
                         let client = pool.get().await?;
-                        store::claim_many(&**client, &ids, &owner, lease).await
+                        crate::execute::claim::claim_many(&**client, &ids, &owner, lease).await
                     }
                     .await;
                     match claimed {
@@ -198,20 +202,24 @@ impl Executor {
         };
         let fences = {
             let pool = pool.clone();
-            Batcher::spawn(BATCH, BATCH_WORKERS, move |items: Vec<store::Fence>| {
-                let pool = pool.clone();
-                async move {
-                    let held = async {
-                        let client = pool.get().await?;
-                        store::fence_many(&client, &items, lease).await
+            Batcher::spawn(
+                BATCH,
+                BATCH_WORKERS,
+                move |items: Vec<crate::execute::claim::Fence>| {
+                    let pool = pool.clone();
+                    async move {
+                        let held = async {
+                            let client = pool.get().await?;
+                            crate::execute::claim::fence_many(&client, &items, lease).await
+                        }
+                        .await;
+                        match held {
+                            Ok(held) => items.iter().map(|f| Ok(held.contains(&f.id))).collect(),
+                            Err(e) => vec![Err(BatchError::from(&e)); items.len()],
+                        }
                     }
-                    .await;
-                    match held {
-                        Ok(held) => items.iter().map(|f| Ok(held.contains(&f.id))).collect(),
-                        Err(e) => vec![Err(BatchError::from(&e)); items.len()],
-                    }
-                }
-            })
+                },
+            )
         };
         let finishes = {
             let (pool, channel) = (pool.clone(), channel.clone());
@@ -677,7 +685,7 @@ impl Executor {
 
     /// Re-checks a queued claim's lease and epoch just before its first send.
     async fn fence(&self, c: &Claimed) -> Result<(), ExecError> {
-        let item = store::Fence {
+        let item = crate::execute::claim::Fence {
             id: c.id,
             epoch: c.epoch,
             seq: c.seq,
@@ -703,7 +711,7 @@ impl Executor {
     async fn begin(&self, c: &Claimed, kind: &str, reason: &str) -> Result<i32, ExecError> {
         with_retry(&self.metrics, "begin attempt", || async {
             let client = self.pool.get().await.map_err(DbError::from)?;
-            store::begin_attempt(
+            crate::execute::claim::begin_attempt(
                 &**client,
                 c,
                 kind,
@@ -719,13 +727,13 @@ impl Executor {
 
     async fn unclaim(&self, c: &Claimed) -> Result<(), DbError> {
         let client = self.pool.get().await?;
-        store::unclaim(&**client, c).await
+        crate::execute::claim::unclaim(&**client, c).await
     }
 
     async fn end(&self, c: &Claimed, end: AttemptEnd) -> Result<(), ExecError> {
         with_retry(&self.metrics, "end attempt", || async {
             let client = self.pool.get().await.map_err(DbError::from)?;
-            store::end_attempt(&**client, c.id, &end).await?;
+            crate::execute::claim::end_attempt(&**client, c.id, &end).await?;
             Ok(())
         })
         .await
@@ -775,7 +783,7 @@ impl Executor {
         let detail = settled.error.as_ref().map(|e| e.message.clone());
         let end = AttemptEnd::new(c.seq, class, None, detail, started.elapsed());
         crash_point!("before-outcome-commit");
-        let state = match store::finish(
+        let state = match crate::outcome::finish(
             &tx,
             c.id,
             Guard::Claim(c.epoch),
@@ -832,9 +840,13 @@ impl Executor {
                 .collect();
             match self.control.get().await {
                 Ok(client) => {
-                    if let Err(e) =
-                        store::extend_leases(&**client, &self.owner, &ids, self.lease.as_secs_f64())
-                            .await
+                    if let Err(e) = crate::execute::claim::extend_leases(
+                        &**client,
+                        &self.owner,
+                        &ids,
+                        self.lease.as_secs_f64(),
+                    )
+                    .await
                     {
                         tracing::warn!(error = %e, "cannot extend leases");
                     }
@@ -866,7 +878,7 @@ impl Executor {
             tracing::info!(expired, "approvals timed out");
         }
         let mut client = self.control.get().await?;
-        if let Ok(counts) = store::parked_counts(&**client).await {
+        if let Ok(counts) = crate::recovery::parked_counts(&**client).await {
             for status in ["unknown", "pending_approval"] {
                 let n = counts
                     .iter()
@@ -885,17 +897,17 @@ impl Executor {
             .iter()
             .copied()
             .collect();
-        let orphans = store::orphans(&tx, 2.0, 500, &local).await?;
+        let orphans = crate::recovery::orphans(&tx, 2.0, 500, &local).await?;
         let lapsed: Vec<i64> = orphans
             .iter()
             .filter(|o| o.was_running)
             .map(|o| o.id)
             .collect();
         if !lapsed.is_empty() {
-            store::abandon_attempts(&tx, &lapsed).await?;
+            crate::recovery::abandon_attempts(&tx, &lapsed).await?;
         }
         let ids: Vec<i64> = orphans.iter().map(|o| o.id).collect();
-        let mut histories = store::histories(&tx, &ids).await?;
+        let mut histories = crate::recovery::histories(&tx, &ids).await?;
         let mut redispatch = Vec::new();
         for o in &orphans {
             if self.local.lock().expect("not poisoned").contains(&o.id) {
@@ -910,7 +922,8 @@ impl Executor {
             let verdict = attempt_log::next_step(&history, dangerous_http);
             if matches!(verdict.next, attempt_log::Next::Verify { .. }) && !can_verify {
                 // A call may have happened, and nothing can tell. Parked for a person.
-                let epoch = store::take_over(&tx, o.id, &self.owner, verdict.calls).await?;
+                let epoch =
+                    crate::recovery::take_over(&tx, o.id, &self.owner, verdict.calls).await?;
                 let settled = Settled::new(
                     OutcomeStatus::Unknown,
                     None,
@@ -921,7 +934,7 @@ impl Executor {
                     )),
                     0,
                 );
-                match store::finish(
+                match crate::outcome::finish(
                     &tx,
                     o.id,
                     Guard::Claim(epoch),
@@ -939,7 +952,7 @@ impl Executor {
                     Err(FinishError::Db(e)) => return Err(e),
                 }
             } else {
-                store::requeue(&tx, o.id, &verdict).await?;
+                crate::recovery::requeue(&tx, o.id, &verdict).await?;
                 redispatch.push((o.id, o.tool.clone()));
             }
         }

@@ -1,0 +1,268 @@
+//! Claims, attempts and leases: who may run an intent now, and what each try did.
+
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use serde_json::{Map, Value};
+use tokio_postgres::GenericClient;
+
+use crate::db::DbError;
+
+/// An intent claimed for execution.
+#[derive(Debug, Clone)]
+pub struct Claimed {
+    pub id: i64,
+    pub key: String,
+    pub tool: String,
+    pub run_id: String,
+    pub step: Option<i64>,
+    pub business_id: Option<String>,
+    pub args: Map<String, Value>,
+    pub action_event_id: String,
+    pub traceparent: Option<String>,
+    /// Event time, or when the intent was recorded.
+    pub started: DateTime<Utc>,
+    /// Downstream calls made before this claim.
+    pub attempts: i32,
+    /// The fencing token: writes are refused once another claim has been made.
+    pub epoch: i64,
+    /// An earlier call may have happened: verify before calling.
+    pub needs_verify: bool,
+    /// How long ago the key's last call started (database clock), when it had one: a
+    /// verification answering "not done" concludes only once that call's deadline has passed.
+    pub since_call: Option<Duration>,
+    /// Why this claim calls: `first`, `recovery` or `manual`.
+    pub reason: String,
+    /// The attempt row the claim opened (a call, or a verification when `needs_verify`).
+    pub seq: i32,
+}
+
+/// How an attempt ended, for the attempt log.
+#[derive(Debug, Clone)]
+pub struct AttemptEnd {
+    pub seq: i32,
+    pub classification: &'static str,
+    pub http_status: Option<i32>,
+    pub error: Option<String>,
+    pub latency_ms: f64,
+}
+
+// Fenced like every write of a claim: a relay that lost its lease cannot start another call.
+// An UPDATE, not a read: it waits for a concurrent takeover and re-checks the epoch and the
+// lease after it, so a relay that slept past its lease cannot start another call. It renews the
+// lease for the call it opens.
+const BEGIN_ATTEMPT: &str = "
+    with i as (
+        update intents set lease_expires_at = now() + make_interval(secs => $6)
+         where id = $1 and lease_epoch = $2 and status = 'running' and lease_expires_at > now()
+        returning id, idempotency_key
+    )
+    insert into attempts (intent_id, idempotency_key, seq, kind, reason, owner, lease_epoch)
+    select i.id, i.idempotency_key,
+           coalesce((select max(seq) from attempts where intent_id = i.id), 0) + 1, $3, $4, $5, $2
+      from i
+    returning seq";
+
+// Never over an end already written: recovery may have closed it `abandoned` meanwhile, and
+// what it read then is what the history says.
+const END_ATTEMPT: &str = "
+    update attempts set ended_at = now(), classification = $3, http_status = $4, error = $5,
+                        latency_ms = $6
+     where intent_id = $1 and seq = $2 and ended_at is null";
+
+/// Opens the next attempt row; `None` when the claim was lost.
+pub async fn begin_attempt(
+    client: &impl GenericClient,
+    c: &Claimed,
+    kind: &str,
+    reason: &str,
+    owner: &str,
+    lease_secs: f64,
+) -> Result<Option<i32>, DbError> {
+    Ok(client
+        .query_opt(
+            BEGIN_ATTEMPT,
+            &[&c.id, &c.epoch, &kind, &reason, &owner, &lease_secs],
+        )
+        .await?
+        .map(|r| r.get(0)))
+}
+
+// A claim whose call never started, given back: the attempt it opened is closed as not sent.
+const UNCLAIM: &str = "
+    with i as (
+        update intents set status = 'pending', lease_owner = null, lease_expires_at = null,
+                           lease_epoch = lease_epoch + 1, updated_at = now()
+         where id = $1 and lease_epoch = $2 and status = 'running'
+        returning id
+    )
+    update attempts set ended_at = now(), classification = 'not_sent',
+                        error = 'the relay stopped before this call'
+     where intent_id in (select id from i) and seq = $3";
+
+/// Releases a claim whose call did not start, for another relay to claim.
+pub async fn unclaim(client: &impl GenericClient, c: &Claimed) -> Result<(), DbError> {
+    client.execute(UNCLAIM, &[&c.id, &c.epoch, &c.seq]).await?;
+    Ok(())
+}
+
+pub async fn end_attempt(
+    client: &impl GenericClient,
+    intent_id: i64,
+    end: &AttemptEnd,
+) -> Result<(), DbError> {
+    client
+        .execute(
+            END_ATTEMPT,
+            &[
+                &intent_id,
+                &end.seq,
+                &end.classification,
+                &end.http_status,
+                &end.error,
+                &end.latency_ms,
+            ],
+        )
+        .await?;
+    Ok(())
+}
+
+// Only the claims whose calls are still running here: a claim whose task died lapses, and
+// recovery takes it over.
+const EXTEND_LEASES: &str = "
+    with locked as materialized (
+        select id from intents where id = any($2) and lease_owner = $1 order by id for update
+    )
+    update intents i set lease_expires_at = now() + make_interval(secs => $3)
+      from locked l
+     where i.id = l.id and i.lease_owner = $1 and i.status = 'running'";
+
+/// Keeps this relay's live claims alive while their calls run.
+pub async fn extend_leases(
+    client: &impl GenericClient,
+    owner: &str,
+    ids: &[i64],
+    lease_secs: f64,
+) -> Result<u64, DbError> {
+    Ok(client
+        .execute(EXTEND_LEASES, &[&owner, &ids, &lease_secs])
+        .await?)
+}
+
+// Many claims in one statement (and one commit). Each claim and the attempt row it opens
+// commit together: there is never a call without a durable record that it began.
+const CLAIM_MANY: &str = "
+    with locked as materialized (
+        select id from intents where id = any($1) order by id for update
+    ), c as (
+        update intents i
+           set status = 'running', lease_owner = $2,
+               lease_expires_at = now() + make_interval(secs => $3),
+               lease_epoch = i.lease_epoch + 1, updated_at = now()
+          from locked l
+         where i.id = l.id and i.status = 'pending'
+        returning i.id, i.idempotency_key, i.tool, i.run_id, i.step, i.business_id, i.args,
+                  i.action_event_id, i.traceparent, coalesce(i.event_time, i.created_at) as started,
+                  i.attempts, i.lease_epoch, i.needs_verify, i.next_reason,
+                  (select extract(epoch from now() - max(p.started_at))::float8
+                     from attempts p where p.intent_id = i.id and p.kind = 'call') as since_call
+    ), a as (
+        insert into attempts (intent_id, idempotency_key, seq, kind, reason, owner, lease_epoch)
+        select c.id, c.idempotency_key,
+               coalesce((select max(seq) from attempts where intent_id = c.id), 0) + 1,
+               case when c.needs_verify then 'verify' else 'call' end,
+               c.next_reason, $2, c.lease_epoch
+          from c
+        returning intent_id, seq
+    )
+    select c.*, a.seq from c join a on a.intent_id = c.id";
+
+/// Claims every pending intent of `ids` at once; the others are missing from the answer.
+pub async fn claim_many(
+    client: &impl GenericClient,
+    ids: &[i64],
+    owner: &str,
+    lease_secs: f64,
+) -> Result<HashMap<i64, Claimed>, DbError> {
+    let rows = client
+        .query(CLAIM_MANY, &[&ids, &owner, &lease_secs])
+        .await?;
+    Ok(rows
+        .iter()
+        .map(|row| {
+            let args: Value = row.get(6);
+            let c = Claimed {
+                id: row.get(0),
+                key: row.get(1),
+                tool: row.get(2),
+                run_id: row.get(3),
+                step: row.get(4),
+                business_id: row.get(5),
+                args: match args {
+                    Value::Object(m) => m,
+                    _ => Map::new(),
+                },
+                action_event_id: row.get(7),
+                traceparent: row.get(8),
+                started: row.get(9),
+                attempts: row.get(10),
+                epoch: row.get(11),
+                needs_verify: row.get(12),
+                reason: row.get(13),
+                since_call: row
+                    .get::<_, Option<f64>>(14)
+                    .map(|s| Duration::from_secs_f64(s.max(0.0))),
+                seq: row.get(15),
+            };
+            (c.id, c)
+        })
+        .collect())
+}
+
+// Claims that waited in the local queue, re-checked just before their first send: the epoch
+// is still theirs and the lease has not run out (a relay paused past its lease has lost the
+// key to recovery, which may be verifying or calling it). Each lease is renewed for the call,
+// and the call's attempt restarts its clock, so its deadline counts from the send.
+const FENCE_MANY: &str = "
+    with locked as materialized (
+        select id from intents where id = any($1) order by id for update
+    ), f as (
+        update intents i set lease_expires_at = now() + make_interval(secs => $4)
+          from locked l, unnest($1::int8[], $2::int8[]) as u(id, epoch)
+         where i.id = l.id and u.id = i.id and i.lease_epoch = u.epoch
+           and i.status = 'running' and i.lease_expires_at > now()
+        returning i.id
+    ), a as (
+        update attempts a set started_at = now()
+          from unnest($1::int8[], $3::int4[]) as u(id, seq)
+         where a.intent_id = u.id and a.seq = u.seq and a.ended_at is null
+           and u.id = any(array(select id from f))
+    )
+    select id from f";
+
+/// One claim to re-check before its first send.
+#[derive(Debug, Clone, Copy)]
+pub struct Fence {
+    pub id: i64,
+    pub epoch: i64,
+    pub seq: i32,
+}
+
+/// Re-checks many claims at once; answers which still hold.
+pub async fn fence_many(
+    client: &deadpool_postgres::Client,
+    items: &[Fence],
+    lease_secs: f64,
+) -> Result<HashSet<i64>, DbError> {
+    let ids: Vec<i64> = items.iter().map(|f| f.id).collect();
+    let epochs: Vec<i64> = items.iter().map(|f| f.epoch).collect();
+    let seqs: Vec<i32> = items.iter().map(|f| f.seq).collect();
+    let statement = client.prepare_cached(FENCE_MANY).await?;
+    Ok(client
+        .query(&statement, &[&ids, &epochs, &seqs, &lease_secs])
+        .await?
+        .iter()
+        .map(|r| r.get(0))
+        .collect())
+}

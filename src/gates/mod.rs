@@ -1,0 +1,126 @@
+//! Gates an action must pass before it may execute: approval, per-run limits, reattempts.
+
+use std::collections::HashMap;
+
+use deadpool_postgres::Transaction;
+use serde_json::Value;
+
+use crate::config::{Tool, ToolClass};
+use crate::db::DbError;
+use crate::event::OutcomeError;
+use crate::intent::sql::COUNT_RUN;
+use crate::intent::KeyedAction;
+use crate::key;
+
+/// Per-action gates, decided from the tool's config when the action is decoded.
+#[derive(Debug, Clone, Default)]
+pub struct Gates {
+    /// Park it `pending_approval` instead of executing.
+    pub approval: bool,
+    /// Distinct intents of this tool per run.
+    pub max_per_run: Option<u32>,
+    /// Distinct intents per run across tools.
+    pub run_cap: Option<u32>,
+    /// Failed intents per (run, tool, business id) before new ones are refused.
+    pub max_reattempts: Option<u32>,
+}
+
+impl Gates {
+    pub fn of(tool: &Tool, data: &crate::event::ActionData, run_cap: Option<u32>) -> Self {
+        let approval = match &tool.approval {
+            crate::config::Approval::None => false,
+            crate::config::Approval::Required => true,
+            crate::config::Approval::Above { field, threshold } => {
+                match key::field(data, field).to_json() {
+                    Value::Number(n) => n.as_f64().is_none_or(|v| v > *threshold),
+                    Value::String(s) => s.parse::<f64>().map_or(true, |v| v > *threshold),
+                    // Absent or not a number: nothing shows it is small enough.
+                    _ => true,
+                }
+            }
+        };
+        Gates {
+            approval,
+            max_per_run: tool.max_per_run,
+            run_cap,
+            max_reattempts: tool.max_reattempts,
+        }
+    }
+}
+
+pub(crate) fn gate_error(code: &str, message: String) -> OutcomeError {
+    OutcomeError {
+        code: code.to_string(),
+        message,
+        retryable: false,
+        fields: None,
+    }
+}
+
+/// Counts newly recorded intents against their tool's and their run's limits; returns the ids
+/// over a limit, with the reason.
+pub(crate) async fn count_runs(
+    tx: &Transaction<'_>,
+    recorded: &[(&KeyedAction, i64)],
+) -> Result<HashMap<i64, String>, DbError> {
+    // (run, tool or "*") → (limit, this batch's intents, in order)
+    let mut groups: std::collections::BTreeMap<(String, String), (u32, Vec<i64>)> =
+        Default::default();
+    for (a, id) in recorded {
+        if a.class == ToolClass::ReadOnly {
+            continue;
+        }
+        let run = a.event.data.run_id.clone();
+        if let Some(limit) = a.gates.max_per_run {
+            groups
+                .entry((run.clone(), a.tool.clone()))
+                .or_insert((limit, Vec::new()))
+                .1
+                .push(*id);
+        }
+        if let Some(limit) = a.gates.run_cap {
+            groups
+                .entry((run, "*".to_string()))
+                .or_insert((limit, Vec::new()))
+                .1
+                .push(*id);
+        }
+    }
+    let mut over = HashMap::new();
+    if groups.is_empty() {
+        return Ok(over);
+    }
+    // Sorted (a BTreeMap), so two relays lock the counter rows in the same order.
+    let runs: Vec<&str> = groups.keys().map(|k| k.0.as_str()).collect();
+    let tools: Vec<&str> = groups.keys().map(|k| k.1.as_str()).collect();
+    let adds: Vec<i32> = groups.values().map(|g| g.1.len() as i32).collect();
+    for row in tx
+        .query(
+            &tx.prepare_cached(COUNT_RUN).await?,
+            &[&runs, &tools, &adds],
+        )
+        .await?
+    {
+        let key: (String, String) = (row.get(0), row.get(1));
+        let total: i32 = row.get(2);
+        let (limit, ids) = &groups[&key];
+        let before = total - ids.len() as i32;
+        for (k, id) in ids.iter().enumerate() {
+            let n = before + k as i32 + 1;
+            if n > *limit as i32 {
+                let scope = if key.1 == "*" {
+                    "actions".to_string()
+                } else {
+                    format!("{} actions", key.1)
+                };
+                over.entry(*id).or_insert_with(|| {
+                    format!(
+                        "run {} may record at most {limit} {scope}; this would be number {n}",
+                        key.0
+                    )
+                });
+            }
+        }
+    }
+    Ok(over)
+}

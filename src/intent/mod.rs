@@ -1,0 +1,146 @@
+//! Recording intents: a batch of consumed actions becomes intents, deliveries and answers in one
+//! transaction; the consumer stores offsets only after it commits.
+
+use chrono::{DateTime, Utc};
+use serde_json::{Map, Value};
+
+use crate::config::{Tool, ToolClass};
+use crate::event::{ActionEvent, OutcomeError, OutcomeStatus, PartialAction};
+use crate::key;
+use crate::metrics::Origin;
+use crate::outcome::answer::KeyState;
+
+use crate::execute::claim::Claimed;
+use crate::gates::Gates;
+
+pub(crate) mod record;
+pub(crate) mod sql;
+
+pub use record::record_batch;
+
+/// Where a message was read from.
+#[derive(Debug, Clone)]
+pub struct Position {
+    pub topic: String,
+    pub partition: i32,
+    pub offset: i64,
+}
+
+/// One consumed message, decoded as far as it could be.
+#[derive(Debug)]
+pub enum Incoming {
+    Action(Box<KeyedAction>),
+    /// Dead-lettered; answered with a rejection when its run id and key were readable.
+    Rejected {
+        pos: Position,
+        partial: Option<PartialAction>,
+        code: &'static str,
+        message: String,
+    },
+}
+
+/// A valid action with its key and fingerprints.
+#[derive(Debug)]
+pub struct KeyedAction {
+    pub pos: Position,
+    pub event: ActionEvent,
+    pub key: String,
+    pub tool: String,
+    pub class: ToolClass,
+    pub material: Map<String, Value>,
+    pub fingerprint: String,
+    pub args_hash: String,
+    /// The gates this action must pass before it may execute.
+    pub gates: Gates,
+    /// Claim it in the batch transaction that records it ([`Tool::claims_at_record`]).
+    pub claim_at_record: bool,
+}
+
+impl KeyedAction {
+    pub fn new(pos: Position, event: ActionEvent, tool: &Tool, key: String, gates: Gates) -> Self {
+        let material = key::material(tool, &event.data);
+        let fingerprint = key::hash_json(&Value::Object(material.clone()));
+        let args_hash = key::hash_json(&Value::Object(event.data.args.clone()));
+        KeyedAction {
+            pos,
+            key,
+            tool: tool.name.clone(),
+            class: tool.class,
+            material,
+            fingerprint,
+            args_hash,
+            event,
+            gates,
+            claim_at_record: tool.claims_at_record(),
+        }
+    }
+
+    /// The claim [`record_batch`] makes when it records this action claimed.
+    fn claimed(&self, id: i64) -> Claimed {
+        let d = &self.event.data;
+        Claimed {
+            id,
+            key: self.key.clone(),
+            tool: self.tool.clone(),
+            run_id: d.run_id.clone(),
+            step: d.step,
+            business_id: d.business_id.clone(),
+            args: d.args.clone(),
+            action_event_id: self.event.id.clone(),
+            traceparent: self.event.traceparent.clone(),
+            started: self.event_time().unwrap_or_else(Utc::now),
+            attempts: 0,
+            epoch: 1,
+            needs_verify: false,
+            since_call: None,
+            reason: "first".into(),
+            seq: 1,
+        }
+    }
+
+    fn event_time(&self) -> Option<DateTime<Utc>> {
+        self.event
+            .time
+            .as_deref()
+            .and_then(|t| DateTime::parse_from_rfc3339(t).ok())
+            .map(|t| t.with_timezone(&Utc))
+    }
+
+    /// The key's state for an outcome decided in the batch itself.
+    fn state(&self, status: OutcomeStatus, error: Option<OutcomeError>) -> KeyState {
+        KeyState {
+            key: self.key.clone(),
+            run_id: self.event.data.run_id.clone(),
+            step: self.event.data.step,
+            tool: self.tool.clone(),
+            status,
+            result: None,
+            error,
+            attempts: 0,
+            first_event_id: self.event.id.clone(),
+            at: Utc::now(),
+        }
+    }
+}
+
+/// The relay that claims intents as it records them.
+#[derive(Debug, Clone, Copy)]
+pub struct Claimant<'a> {
+    pub owner: &'a str,
+    pub lease_secs: f64,
+}
+
+/// What a batch transaction decided, for the consumer to act on after commit.
+#[derive(Debug, Default)]
+pub struct BatchResult {
+    /// Intents created by this batch, to be claimed by the executor.
+    pub new_intents: Vec<(i64, String)>,
+    /// Intents created and claimed by this batch, each with its first call's attempt open.
+    pub claimed: Vec<Claimed>,
+    /// (tool, origin) of each message, for metrics.
+    pub origins: Vec<(String, Origin)>,
+    /// How many outcome rows were written.
+    pub answers: usize,
+    /// (tool, error code) of the actions a gate refused.
+    pub rejections: Vec<(String, &'static str)>,
+}

@@ -1,0 +1,557 @@
+//! `record_batch`: one transaction per consumed batch.
+
+use std::collections::{HashMap, HashSet};
+
+use chrono::{DateTime, Utc};
+use deadpool_postgres::Transaction;
+use serde_json::Value;
+
+use crate::config::ToolClass;
+use crate::db::DbError;
+use crate::event::{Outcome, OutcomeError, OutcomeStatus};
+use crate::gates::{count_runs, gate_error};
+use crate::intent::sql::{
+    FAILED_REATTEMPTS, INSERT_DELIVERIES, INSERT_INTENTS, INSERT_INTENTS_OPENING_CALLS,
+    OPEN_FIRST_CALLS, REJECT_NEW, SELECT_KEYS_FOR_SHARE, SELECT_SEEN_EVENTS, TOMBSTONED,
+};
+use crate::intent::{BatchResult, Claimant, Incoming, KeyedAction, Position};
+use crate::key;
+use crate::metrics::Origin;
+use crate::outcome::answer::{self, KeyState};
+use crate::publish::outbox::insert_outbox;
+
+#[derive(Default)]
+struct DeliveryRows {
+    intent_id: Vec<Option<i64>>,
+    key: Vec<String>,
+    event_id: Vec<String>,
+    topic: Vec<String>,
+    partition: Vec<i32>,
+    offset: Vec<i64>,
+    origin: Vec<&'static str>,
+    answered: Vec<bool>,
+}
+
+impl DeliveryRows {
+    #[allow(clippy::too_many_arguments)]
+    fn push(
+        &mut self,
+        intent_id: Option<i64>,
+        key: &str,
+        event_id: &str,
+        pos: &Position,
+        origin: Origin,
+        answered: bool,
+    ) {
+        self.intent_id.push(intent_id);
+        self.key.push(key.to_string());
+        self.event_id.push(event_id.to_string());
+        self.topic.push(pos.topic.clone());
+        self.partition.push(pos.partition);
+        self.offset.push(pos.offset);
+        self.origin.push(origin.as_str());
+        self.answered.push(answered);
+    }
+}
+
+/// Stored state of an existing key, as the batch sees it.
+struct ExistingKey {
+    id: i64,
+    material: Value,
+    fingerprint: String,
+    args_hash: String,
+    state: KeyState,
+    reportable: bool,
+}
+
+fn parse_error(v: Option<Value>) -> Option<OutcomeError> {
+    v.and_then(|v| serde_json::from_value(v).ok())
+}
+
+/// Records one batch of consumed messages in a single transaction. Only after it commits may the
+/// consumer store these messages' offsets.
+pub async fn record_batch(
+    tx: &Transaction<'_>,
+    items: &[Incoming],
+    channel: &str,
+    claimant: Claimant<'_>,
+) -> Result<BatchResult, DbError> {
+    let mut result = BatchResult::default();
+    let pos_of = |i: &Incoming| match i {
+        Incoming::Action(a) => a.pos.clone(),
+        Incoming::Rejected { pos, .. } => pos.clone(),
+    };
+    let event_id_of = |i: &Incoming| match i {
+        Incoming::Action(a) => Some(a.event.id.clone()),
+        Incoming::Rejected { partial, .. } => partial.as_ref().map(|p| p.event_id.clone()),
+    };
+
+    // 1. Which records and event ids were seen before: redeliveries and producer retries.
+    //    Sent together with the tombstone check of every key (step 2), in one round trip.
+    let event_ids: Vec<String> = items.iter().filter_map(event_id_of).collect();
+    let action_keys: Vec<&str> = items
+        .iter()
+        .filter_map(|i| match i {
+            Incoming::Action(a) => Some(a.key.as_str()),
+            Incoming::Rejected { .. } => None,
+        })
+        .collect();
+    let (seen_statement, tombstoned) = futures::try_join!(
+        tx.prepare_cached(SELECT_SEEN_EVENTS),
+        tx.prepare_cached(TOMBSTONED)
+    )?;
+    let (seen_params, stale_params) = ([&event_ids as _], [&action_keys as _]);
+    let (seen_rows, stale_rows) = futures::try_join!(
+        tx.query(&seen_statement, &seen_params),
+        tx.query(&tombstoned, &stale_params)
+    )?;
+    let stale: HashSet<String> = stale_rows.iter().map(|r| r.get(0)).collect();
+    let mut seen_records = HashSet::new();
+    let mut seen_events = HashSet::new();
+    for row in seen_rows {
+        let event: String = row.get(0);
+        seen_records.insert((
+            row.get::<_, String>(1),
+            row.get::<_, i32>(2),
+            row.get::<_, i64>(3),
+        ));
+        seen_events.insert(event);
+    }
+
+    let mut deliveries = DeliveryRows::default();
+    let mut outbox: Vec<Outcome> = Vec::new();
+    // Index of items that still need their key's state, after the insert.
+    let mut pending: Vec<(usize, Origin)> = Vec::new();
+    let mut first_of_key: HashMap<&str, usize> = HashMap::new();
+    let mut to_insert: Vec<usize> = Vec::new();
+
+    for (i, item) in items.iter().enumerate() {
+        let pos = pos_of(item);
+        if seen_records.contains(&(pos.topic.clone(), pos.partition, pos.offset)) {
+            let (tool, key, event_id) = match item {
+                Incoming::Action(a) => (a.tool.clone(), a.key.as_str(), a.event.id.as_str()),
+                Incoming::Rejected { partial, .. } => (
+                    String::new(),
+                    partial.as_ref().map_or("", |p| p.key.as_str()),
+                    partial.as_ref().map_or("", |p| p.event_id.as_str()),
+                ),
+            };
+            // Logged for explain; never executed or answered again.
+            deliveries.push(None, key, event_id, &pos, Origin::Redelivery, true);
+            result.origins.push((tool, Origin::Redelivery));
+            continue;
+        }
+        match item {
+            Incoming::Rejected {
+                pos,
+                partial,
+                code,
+                message,
+            } => {
+                let key = partial.as_ref().map_or("", |p| p.key.as_str());
+                let event_id = partial.as_ref().map_or("", |p| p.event_id.as_str());
+                deliveries.push(None, key, event_id, pos, Origin::DeadLetter, true);
+                if let Some(p) = partial {
+                    if !seen_events.contains(&p.event_id) {
+                        outbox.push(answer::rejected_input(
+                            &p.key,
+                            &p.run_id,
+                            p.tool.clone(),
+                            p.step,
+                            &p.event_id,
+                            code,
+                            message,
+                            None,
+                        ));
+                    }
+                }
+                result.origins.push((
+                    partial
+                        .as_ref()
+                        .and_then(|p| p.tool.clone())
+                        .unwrap_or_default(),
+                    Origin::DeadLetter,
+                ));
+                seen_events.insert(event_id.to_string());
+            }
+            Incoming::Action(a) => {
+                if !seen_events.insert(a.event.id.clone()) {
+                    pending.push((i, Origin::ProducerRetry));
+                    continue;
+                }
+                if a.class == ToolClass::ReadOnly {
+                    to_insert.push(i);
+                    continue;
+                }
+                match first_of_key.get(a.key.as_str()) {
+                    None => {
+                        first_of_key.insert(&a.key, i);
+                        to_insert.push(i);
+                    }
+                    // Classified against the stored row below, like any later repeat.
+                    Some(_) => pending.push((i, Origin::Replay)),
+                }
+            }
+        }
+    }
+
+    // 2. Gates that refuse a new key before it is recorded: a pruned key coming back (a run
+    //    resumed past retention), and too many failed attempts at the same business action.
+    let action_of = |i: usize| match &items[i] {
+        Incoming::Action(a) => a.as_ref(),
+        Incoming::Rejected { .. } => unreachable!("only actions are inserted"),
+    };
+    // Keys refused here are not recorded: a repeat of one later in this batch gets the same
+    // refusal (step 5).
+    let mut refused: HashMap<&str, (&'static str, String)> = HashMap::new();
+    if !to_insert.is_empty() {
+        let reattempt_keys: Vec<&KeyedAction> = to_insert
+            .iter()
+            .map(|i| action_of(*i))
+            .filter(|a| a.gates.max_reattempts.is_some() && a.event.data.business_id.is_some())
+            .collect();
+        let mut failed: HashMap<(String, String, String), i64> = HashMap::new();
+        if !reattempt_keys.is_empty() {
+            let runs: Vec<&str> = reattempt_keys
+                .iter()
+                .map(|a| a.event.data.run_id.as_str())
+                .collect();
+            let tools: Vec<&str> = reattempt_keys.iter().map(|a| a.tool.as_str()).collect();
+            let biz: Vec<&str> = reattempt_keys
+                .iter()
+                .map(|a| a.event.data.business_id.as_deref().unwrap_or(""))
+                .collect();
+            for r in tx.query(FAILED_REATTEMPTS, &[&runs, &tools, &biz]).await? {
+                failed.insert((r.get(0), r.get(1), r.get(2)), r.get(3));
+            }
+        }
+        to_insert.retain(|i| {
+            let a = action_of(*i);
+            let refusal = if stale.contains(&a.key) {
+                Some(("stale_resume", format!(
+                    "key {} belongs to an action finished and pruned after its retention; a resumed run cannot execute it again",
+                    a.key
+                )))
+            } else {
+                let tried = a.event.data.business_id.as_ref().and_then(|b| {
+                    failed.get(&(a.event.data.run_id.clone(), a.tool.clone(), b.clone()))
+                });
+                match (a.gates.max_reattempts, tried) {
+                    (Some(max), Some(n)) if *n >= i64::from(max) => Some(("reattempts_exceeded", format!(
+                        "{n} attempts at this {} for {} already failed (the limit is {max}); stop and report instead of trying again",
+                        a.tool,
+                        a.event.data.business_id.as_deref().unwrap_or("")
+                    ))),
+                    _ => None,
+                }
+            };
+            let Some((code, message)) = refusal else { return true };
+            refused.insert(a.key.as_str(), (code, message.clone()));
+            let state = a.state(OutcomeStatus::Rejected, Some(gate_error(code, message)));
+            outbox.push(answer::rejected_gate(&state, a.event.traceparent.clone()));
+            deliveries.push(None, &a.key, &a.event.id, &a.pos, Origin::First, true);
+            result.origins.push((a.tool.clone(), Origin::First));
+            result.rejections.push((a.tool.clone(), code));
+            false
+        });
+    }
+
+    // 3. Insert candidate intents; the unique key index decides who is first. Intents that
+    //    need a person's approval are recorded parked and answered as such.
+    if !to_insert.is_empty() {
+        let acts: Vec<&KeyedAction> = to_insert.iter().map(|i| action_of(*i)).collect();
+        let col =
+            |f: &dyn Fn(&KeyedAction) -> String| acts.iter().map(|a| f(a)).collect::<Vec<String>>();
+        let keys = col(&|a| a.key.clone());
+        let tools = col(&|a| a.tool.clone());
+        let classes = col(&|a| a.class.as_str().to_string());
+        let runs = col(&|a| a.event.data.run_id.clone());
+        let steps: Vec<Option<i64>> = acts.iter().map(|a| a.event.data.step).collect();
+        let business: Vec<Option<String>> = acts
+            .iter()
+            .map(|a| a.event.data.business_id.clone())
+            .collect();
+        let args: Vec<Value> = acts
+            .iter()
+            .map(|a| Value::Object(a.event.data.args.clone()))
+            .collect();
+        let material: Vec<Value> = acts
+            .iter()
+            .map(|a| Value::Object(a.material.clone()))
+            .collect();
+        let fps = col(&|a| a.fingerprint.clone());
+        let hashes = col(&|a| a.args_hash.clone());
+        let events = col(&|a| a.event.id.clone());
+        let topics = col(&|a| a.pos.topic.clone());
+        let partitions: Vec<i32> = acts.iter().map(|a| a.pos.partition).collect();
+        let offsets: Vec<i64> = acts.iter().map(|a| a.pos.offset).collect();
+        let traces: Vec<Option<String>> =
+            acts.iter().map(|a| a.event.traceparent.clone()).collect();
+        let times: Vec<Option<DateTime<Utc>>> = acts.iter().map(|a| a.event_time()).collect();
+        let parked = |a: &KeyedAction| a.gates.approval && a.class != ToolClass::ReadOnly;
+        let claims = |a: &KeyedAction| !parked(a) && a.claim_at_record;
+        let statuses: Vec<&str> = acts
+            .iter()
+            .map(|a| {
+                if parked(a) {
+                    "pending_approval"
+                } else if claims(a) {
+                    "running"
+                } else {
+                    "pending"
+                }
+            })
+            .collect();
+        let seqs: Vec<i32> = acts.iter().map(|a| i32::from(parked(a))).collect();
+        let owners: Vec<Option<&str>> = acts
+            .iter()
+            .map(|a| claims(a).then_some(claimant.owner))
+            .collect();
+        // Without per-run limits nothing refuses a claimed row once inserted: its first call
+        // is opened by the insert itself.
+        let limited = acts
+            .iter()
+            .any(|a| a.gates.max_per_run.is_some() || a.gates.run_cap.is_some());
+        let insert = if limited {
+            INSERT_INTENTS
+        } else {
+            INSERT_INTENTS_OPENING_CALLS
+        };
+        let rows = tx
+            .query(
+                &tx.prepare_cached(insert).await?,
+                &[
+                    &keys,
+                    &tools,
+                    &classes,
+                    &runs,
+                    &steps,
+                    &business,
+                    &args,
+                    &material,
+                    &fps,
+                    &hashes,
+                    &events,
+                    &topics,
+                    &partitions,
+                    &offsets,
+                    &traces,
+                    &times,
+                    &statuses,
+                    &seqs,
+                    &owners,
+                    &claimant.lease_secs,
+                ],
+            )
+            .await?;
+        // Read-only rows never conflict, so map returned rows back by event id.
+        let by_event: HashMap<String, i64> = rows
+            .iter()
+            .map(|r| (r.get::<_, String>(2), r.get::<_, i64>(0)))
+            .collect();
+        let mut recorded: Vec<(&KeyedAction, i64)> = Vec::new();
+        for i in &to_insert {
+            let a = action_of(*i);
+            match by_event.get(&a.event.id) {
+                Some(id) => {
+                    deliveries.push(Some(*id), &a.key, &a.event.id, &a.pos, Origin::First, true);
+                    result.origins.push((a.tool.clone(), Origin::First));
+                    recorded.push((a, *id));
+                }
+                // Another delivery recorded this key first.
+                None => pending.push((*i, Origin::Replay)),
+            }
+        }
+
+        // 4. Per-run limits, counted with the insert: the N+1-th distinct intent is refused.
+        let over = count_runs(tx, &recorded).await?;
+        for (a, id) in recorded {
+            if let Some(message) = over.get(&id) {
+                let error = gate_error("run_limit_exceeded", message.clone());
+                tx.execute(
+                    REJECT_NEW,
+                    &[&id, &serde_json::to_value(&error).expect("serializes")],
+                )
+                .await?;
+                let state = a.state(OutcomeStatus::Rejected, Some(error));
+                outbox.push(answer::status_change(
+                    &state,
+                    1,
+                    a.event.traceparent.clone(),
+                ));
+                result
+                    .rejections
+                    .push((a.tool.clone(), "run_limit_exceeded"));
+            } else if parked(a) {
+                let state = a.state(OutcomeStatus::PendingApproval, None);
+                outbox.push(answer::status_change(
+                    &state,
+                    1,
+                    a.event.traceparent.clone(),
+                ));
+            } else if claims(a) {
+                result.claimed.push(a.claimed(id));
+            } else {
+                result.new_intents.push((id, a.tool.clone()));
+            }
+        }
+        if limited && !result.claimed.is_empty() {
+            let ids: Vec<i64> = result.claimed.iter().map(|c| c.id).collect();
+            let keys: Vec<&str> = result.claimed.iter().map(|c| c.key.as_str()).collect();
+            tx.execute(
+                &tx.prepare_cached(OPEN_FIRST_CALLS).await?,
+                &[&ids, &keys, &claimant.owner],
+            )
+            .await?;
+        }
+    }
+
+    // 5. Repeats: compare with the stored key, answer now or wait for it to resolve.
+    if !pending.is_empty() {
+        let keys: Vec<String> = pending
+            .iter()
+            .filter_map(|(i, _)| match &items[*i] {
+                Incoming::Action(a) => Some(a.key.clone()),
+                Incoming::Rejected { .. } => None,
+            })
+            .collect();
+        let mut existing: HashMap<String, ExistingKey> = HashMap::new();
+        for row in tx
+            .query(&tx.prepare_cached(SELECT_KEYS_FOR_SHARE).await?, &[&keys])
+            .await?
+        {
+            let status: String = row.get(6);
+            let reported = OutcomeStatus::parse(&status);
+            let state = KeyState {
+                key: row.get(1),
+                run_id: row.get(10),
+                step: row.get(11),
+                tool: row.get(12),
+                status: reported.unwrap_or(OutcomeStatus::Unknown),
+                result: row.get(7),
+                error: parse_error(row.get(8)),
+                attempts: row.get(9),
+                first_event_id: row.get(5),
+                at: row.get(13),
+            };
+            existing.insert(
+                state.key.clone(),
+                ExistingKey {
+                    id: row.get(0),
+                    material: row.get(2),
+                    fingerprint: row.get(3),
+                    args_hash: row.get(4),
+                    reportable: reported.is_some(),
+                    state,
+                },
+            );
+        }
+        for (i, hint) in pending {
+            let Incoming::Action(a) = &items[i] else {
+                continue;
+            };
+            // A producer retry: the first delivery of this event id is answered already. (A
+            // read-only action is here only as one: it is recorded anew on every other delivery.)
+            if hint == Origin::ProducerRetry || a.class == ToolClass::ReadOnly {
+                let intent = existing
+                    .get(&a.key)
+                    .map(|k| k.id)
+                    .filter(|_| a.class != ToolClass::ReadOnly);
+                deliveries.push(
+                    intent,
+                    &a.key,
+                    &a.event.id,
+                    &a.pos,
+                    Origin::ProducerRetry,
+                    true,
+                );
+                result.origins.push((a.tool.clone(), Origin::ProducerRetry));
+                continue;
+            }
+            let Some(k) = existing.get(&a.key) else {
+                if let Some((code, message)) = refused.get(a.key.as_str()) {
+                    let error = gate_error(code, message.clone());
+                    let state = a.state(OutcomeStatus::Rejected, Some(error));
+                    outbox.push(answer::rejected_gate(&state, a.event.traceparent.clone()));
+                    deliveries.push(None, &a.key, &a.event.id, &a.pos, Origin::First, true);
+                    result.origins.push((a.tool.clone(), Origin::First));
+                    result.rejections.push((a.tool.clone(), code));
+                    continue;
+                }
+                // The key was inserted in this transaction or before it, and nothing deletes
+                // an intent but prune, which keeps a tombstone: if it is gone all the same,
+                // the batch is recorded again from the start rather than leave it unanswered.
+                return Err(DbError::Vanished(a.key.clone()));
+            };
+            if k.fingerprint != a.fingerprint {
+                let fields = key::differing_fields(&k.material, &a.material);
+                deliveries.push(
+                    Some(k.id),
+                    &a.key,
+                    &a.event.id,
+                    &a.pos,
+                    Origin::Conflict,
+                    true,
+                );
+                outbox.push(answer::conflict(
+                    &k.state,
+                    &a.event.id,
+                    a.event.data.step,
+                    fields,
+                    a.event.traceparent.clone(),
+                ));
+                result.origins.push((a.tool.clone(), Origin::Conflict));
+                continue;
+            }
+            let origin = if k.args_hash == a.args_hash {
+                Origin::Replay
+            } else {
+                Origin::ModelRetry
+            };
+            if k.reportable {
+                outbox.push(answer::duplicate(
+                    &k.state,
+                    &a.event.id,
+                    a.event.traceparent.clone(),
+                ));
+            }
+            deliveries.push(
+                Some(k.id),
+                &a.key,
+                &a.event.id,
+                &a.pos,
+                origin,
+                k.reportable,
+            );
+            result.origins.push((a.tool.clone(), origin));
+        }
+    }
+
+    // 6. Every delivery, so repeats can be classified and explained later; and 7. the immediate
+    //    answers, sent together.
+    let d = &deliveries;
+    let record_deliveries = async {
+        if d.key.is_empty() {
+            return Ok(0);
+        }
+        let statement = tx.prepare_cached(INSERT_DELIVERIES).await?;
+        tx.execute(
+            &statement,
+            &[
+                &d.intent_id,
+                &d.key,
+                &d.event_id,
+                &d.topic,
+                &d.partition,
+                &d.offset,
+                &d.origin,
+                &d.answered,
+            ],
+        )
+        .await
+        .map_err(DbError::from)
+    };
+    let (_, answers) = futures::try_join!(record_deliveries, insert_outbox(tx, &outbox, channel))?;
+    result.answers = answers;
+    Ok(result)
+}

@@ -1,0 +1,101 @@
+//! The statements that record a batch. Parameters are never formatted in.
+
+pub(crate) const SELECT_SEEN_EVENTS: &str = "
+    select action_event_id, source_topic, source_partition, source_offset
+    from deliveries where action_event_id = any($1)";
+
+// A row with a lease owner is recorded claimed (`running`, epoch 1); its attempt row follows
+// in the same transaction.
+macro_rules! insert_intents {
+    () => {
+        "insert into intents (idempotency_key, tool, class, run_id, step, business_id, args,
+                              material, fingerprint, args_hash, action_event_id, source_topic,
+                              source_partition, source_offset, traceparent, event_time, status,
+                              status_seq, lease_owner, lease_expires_at, lease_epoch)
+         select k, t, c, r, s, b, a, m, f, h, e, tp, p, o, tr, tm, st, sq, lo,
+                case when lo is null then null else now() + make_interval(secs => $20) end,
+                case when lo is null then 0 else 1 end
+           from unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::int8[], $6::text[],
+                       $7::jsonb[], $8::jsonb[], $9::text[], $10::text[], $11::text[],
+                       $12::text[], $13::int4[], $14::int8[], $15::text[], $16::timestamptz[],
+                       $17::text[], $18::int4[], $19::text[])
+                as u(k, t, c, r, s, b, a, m, f, h, e, tp, p, o, tr, tm, st, sq, lo)
+         on conflict (idempotency_key) where class <> 'read_only' do nothing
+         returning id, idempotency_key, action_event_id, lease_owner"
+    };
+}
+
+pub(crate) const INSERT_INTENTS: &str = insert_intents!();
+
+// The same, with each claimed row's first call opened in the same statement: for batches where
+// no per-run limit can refuse a claimed row after its insert.
+pub(crate) const INSERT_INTENTS_OPENING_CALLS: &str = concat!(
+    "with i as (",
+    insert_intents!(),
+    "), a as (
+        insert into attempts (intent_id, idempotency_key, seq, kind, reason, owner, lease_epoch)
+        select id, idempotency_key, 1, 'call', 'first', lease_owner, 1
+          from i where lease_owner is not null
+    )
+    select id, idempotency_key, action_event_id from i"
+);
+
+pub(crate) const OPEN_FIRST_CALLS: &str = "
+    insert into attempts (intent_id, idempotency_key, seq, kind, reason, owner, lease_epoch)
+    select id, k, 1, 'call', 'first', $3, 1 from unnest($1::int8[], $2::text[]) as u(id, k)";
+
+// Share locks order this batch against a concurrent finish of the same keys: either the finish
+// commits first and we see its status, or it waits and then sees our waiting deliveries. Every
+// statement that locks several intents locks them in id order, so they cannot deadlock.
+pub(crate) const SELECT_KEYS_FOR_SHARE: &str = "
+    select id, idempotency_key, material, fingerprint, args_hash, action_event_id, status, result,
+           error, attempts, run_id, step, tool, coalesce(finished_at, updated_at)
+    from intents
+    where idempotency_key = any($1) and class <> 'read_only'
+    order by id
+    for share";
+
+pub(crate) const INSERT_DELIVERIES: &str = "
+    insert into deliveries (intent_id, idempotency_key, action_event_id, source_topic,
+                            source_partition, source_offset, origin, answered)
+    select * from unnest($1::int8[], $2::text[], $3::text[], $4::text[], $5::int4[], $6::int8[],
+                         $7::text[], $8::bool[])";
+
+// The publisher is woken (NOTIFY, delivered at commit) only when a row was new.
+pub(crate) const INSERT_OUTBOX: &str = "
+    with o as (
+        insert into outbox (event_id, kafka_key, payload, traceparent)
+        select * from unnest($1::text[], $2::text[], $3::jsonb[], $4::text[])
+        on conflict (event_id) do nothing
+        returning 1
+    )
+    select n, case when n > 0 then pg_notify($5, '') end
+      from (select count(*) as n from o) c";
+
+// Keys whose intent was pruned: a run resumed past retention must not execute them as new.
+pub(crate) const TOMBSTONED: &str = "
+    select k from unnest($1::text[]) as k
+     where exists (select 1 from tombstones t
+                    where t.key_hash = encode(sha256(convert_to(k, 'UTF8')), 'hex')
+                      and t.expires_at > now())";
+
+pub(crate) const FAILED_REATTEMPTS: &str = "
+    select i.run_id, i.tool, i.business_id, count(*)
+      from intents i
+      join unnest($1::text[], $2::text[], $3::text[]) as q(run_id, tool, business_id)
+        on i.run_id = q.run_id and i.tool = q.tool and i.business_id = q.business_id
+     where i.status = 'failed'
+     group by 1, 2, 3";
+
+// Counted in the transaction that records the intents: two relays cannot both take the last
+// slot, since the counter row is locked until commit.
+pub(crate) const COUNT_RUN: &str = "
+    insert into run_counts (run_id, tool, n)
+    select * from unnest($1::text[], $2::text[], $3::int4[])
+    on conflict (run_id, tool) do update set n = run_counts.n + excluded.n
+    returning run_id, tool, n";
+
+pub(crate) const REJECT_NEW: &str = "
+    update intents set status = 'rejected', error = $2, finished_at = now(), updated_at = now(),
+                       lease_owner = null, lease_expires_at = null
+     where id = $1";

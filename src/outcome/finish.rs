@@ -1,0 +1,266 @@
+//! Finishing intents: the outcome, its outbox row and the answers to waiting repeats, fenced
+//! by the lease epoch.
+
+use std::collections::HashMap;
+
+use deadpool_postgres::Transaction;
+use serde_json::Value;
+
+use crate::db::DbError;
+use crate::event::{OutcomeError, OutcomeStatus};
+use crate::execute::claim::{end_attempt, AttemptEnd};
+use crate::outcome::answer::{self, KeyState};
+use crate::publish::outbox::insert_outbox;
+
+/// The settled state of a call.
+#[derive(Debug, Clone)]
+pub struct Settled {
+    pub status: OutcomeStatus,
+    pub result: Option<Value>,
+    pub error: Option<OutcomeError>,
+    /// Downstream attempts made under this claim.
+    pub attempts: i32,
+}
+
+// A person's decision on a parked key: no claim to fence against, only the parked status.
+const FINISH_PARKED: &str = "
+    update intents
+       set status = $2, result = $3, error = $4, attempts = attempts + $5,
+           status_seq = status_seq + 1, lease_epoch = lease_epoch + 1,
+           needs_verify = false, next_reason = 'first', updated_at = now(), finished_at = now()
+     where id = $1 and status = $6
+    returning idempotency_key, run_id, step, tool, action_event_id, attempts, status_seq,
+              finished_at, traceparent";
+
+/// What a finish must hold to be written.
+#[derive(Debug, Clone, Copy)]
+pub enum Guard {
+    /// The claim with this epoch still owns the intent.
+    Claim(i64),
+    /// The intent is parked with this status (`unknown`, `pending_approval`) and a person
+    /// decides it.
+    Parked(&'static str),
+}
+
+const ANSWER_WAITING: &str = "
+    update deliveries set answered = true
+     where intent_id = $1 and not answered
+    returning action_event_id";
+
+/// Why a finish was not recorded.
+#[derive(Debug, thiserror::Error)]
+pub enum FinishError {
+    /// Another claim owns the intent now: this write is late and must not land.
+    #[error("lease lost: intent {0} was claimed again")]
+    Fenced(i64),
+    #[error(transparent)]
+    Db(#[from] DbError),
+}
+
+impl From<tokio_postgres::Error> for FinishError {
+    fn from(e: tokio_postgres::Error) -> Self {
+        FinishError::Db(DbError::Postgres(e))
+    }
+}
+
+/// Records a call's result, its outcome event and the answers to every delivery waiting on
+/// the key, in the caller's transaction, fenced by the claim's epoch.
+pub async fn finish(
+    tx: &Transaction<'_>,
+    id: i64,
+    guard: Guard,
+    settled: &Settled,
+    last_attempt: Option<&AttemptEnd>,
+    channel: &str,
+) -> Result<KeyState, FinishError> {
+    let error = settled
+        .error
+        .as_ref()
+        .map(|e| serde_json::to_value(e).expect("error serializes"));
+    let parked = match guard {
+        Guard::Parked(status) => status,
+        Guard::Claim(_) => "",
+    };
+    if let Guard::Claim(epoch) = guard {
+        let item = Finish {
+            id,
+            epoch,
+            settled: settled.clone(),
+            end: last_attempt.cloned(),
+        };
+        return finish_many(tx, &[item], channel)
+            .await?
+            .pop()
+            .flatten()
+            .ok_or(FinishError::Fenced(id));
+    }
+    let row = tx
+        .query_opt(
+            FINISH_PARKED,
+            &[
+                &id,
+                &settled.status.as_str(),
+                &settled.result,
+                &error,
+                &settled.attempts,
+                &parked,
+            ],
+        )
+        .await?
+        .ok_or(FinishError::Fenced(id))?;
+    if let Some(end) = last_attempt {
+        end_attempt(&**tx, id, end).await?;
+    }
+    let state = KeyState {
+        key: row.get(0),
+        run_id: row.get(1),
+        step: row.get(2),
+        tool: row.get(3),
+        status: settled.status,
+        result: settled.result.clone(),
+        error: settled.error.clone(),
+        attempts: row.get(5),
+        first_event_id: row.get(4),
+        at: row.get(7),
+    };
+    let seq: i32 = row.get(6);
+    let traceparent: Option<String> = row.get(8);
+    let mut outcomes = vec![answer::status_change(&state, seq, traceparent.clone())];
+    for row in tx.query(ANSWER_WAITING, &[&id]).await? {
+        let event_id: String = row.get(0);
+        if event_id != state.first_event_id {
+            outcomes.push(answer::duplicate(&state, &event_id, traceparent.clone()));
+        }
+    }
+    insert_outbox(tx, &outcomes, channel).await?;
+    Ok(state)
+}
+
+// ------------------------------------------------------------------ recovery
+
+/// One finished call for [`finish_many`].
+#[derive(Debug, Clone)]
+pub struct Finish {
+    pub id: i64,
+    pub epoch: i64,
+    pub settled: Settled,
+    pub end: Option<AttemptEnd>,
+}
+
+// The group's intents, locked in id order, so concurrent groups and lease renewals cannot
+// deadlock. A statement of its own: the one after it takes its snapshot once these locks are
+// held, so it sees every repeat recorded (by a batch holding a share lock) before them.
+const LOCK_MANY: &str = "select id from intents where id = any($1) order by id for update";
+
+// Every outcome of the group in one statement: the intents (fenced by epoch), their attempts
+// closed, and the repeats that waited for them marked answered (their event ids returned, to be
+// answered from the outbox). The status a claimed row must still have is a parameter ($7,
+// always 'running'): with a literal, a generic (prepared) plan may scan every running intent
+// through `intents_open` instead of looking the ids up by primary key.
+const FINISH_MANY: &str = "
+    with f as (
+        update intents i
+           set status = u.status, result = u.result, error = u.error,
+               attempts = i.attempts + u.attempts, status_seq = i.status_seq + 1,
+               lease_owner = null, lease_expires_at = null, needs_verify = false,
+               next_reason = 'first', updated_at = now(), finished_at = now()
+          from unnest($1::int8[], $2::int8[], $3::text[], $4::jsonb[], $5::jsonb[], $6::int4[])
+               as u(id, epoch, status, result, error, attempts)
+         where i.id = u.id and i.lease_epoch = u.epoch and i.status = $7
+        returning i.id, i.idempotency_key, i.run_id, i.step, i.tool, i.action_event_id,
+                  i.attempts, i.status_seq, i.finished_at, i.traceparent
+    ), e as (
+        update attempts a
+           set ended_at = now(), classification = u.classification, http_status = u.http_status,
+               error = u.error, latency_ms = u.latency_ms
+          from unnest($8::int8[], $9::int4[], $10::text[], $11::int4[], $12::text[], $13::float8[])
+               as u(intent_id, seq, classification, http_status, error, latency_ms)
+         where a.intent_id = u.intent_id and a.seq = u.seq
+           and u.intent_id = any(array(select id from f))
+    ), w as (
+        update deliveries set answered = true
+         where intent_id = any(array(select id from f)) and not answered
+        returning intent_id, action_event_id
+    )
+    select f.*, (select array_agg(w.action_event_id) from w where w.intent_id = f.id)
+      from f";
+
+/// Records many calls' results in the caller's transaction: the same as [`finish`] for each,
+/// in three statements for all (the lock and the finish pipelined, then the outbox). An item
+/// whose claim was lost is `None` and writes nothing.
+pub async fn finish_many(
+    tx: &Transaction<'_>,
+    items: &[Finish],
+    channel: &str,
+) -> Result<Vec<Option<KeyState>>, DbError> {
+    let ids: Vec<i64> = items.iter().map(|f| f.id).collect();
+    let epochs: Vec<i64> = items.iter().map(|f| f.epoch).collect();
+    let statuses: Vec<&str> = items.iter().map(|f| f.settled.status.as_str()).collect();
+    let results: Vec<Option<Value>> = items.iter().map(|f| f.settled.result.clone()).collect();
+    let errors: Vec<Option<Value>> = items
+        .iter()
+        .map(|f| {
+            f.settled
+                .error
+                .as_ref()
+                .map(|e| serde_json::to_value(e).expect("error serializes"))
+        })
+        .collect();
+    let attempts: Vec<i32> = items.iter().map(|f| f.settled.attempts).collect();
+    let ends: Vec<(i64, &AttemptEnd)> = items
+        .iter()
+        .filter_map(|f| f.end.as_ref().map(|e| (f.id, e)))
+        .collect();
+    let end_ids: Vec<i64> = ends.iter().map(|(id, _)| *id).collect();
+    let seqs: Vec<i32> = ends.iter().map(|(_, e)| e.seq).collect();
+    let classes: Vec<&str> = ends.iter().map(|(_, e)| e.classification).collect();
+    let http: Vec<Option<i32>> = ends.iter().map(|(_, e)| e.http_status).collect();
+    let errs: Vec<Option<&str>> = ends.iter().map(|(_, e)| e.error.as_deref()).collect();
+    let latencies: Vec<f64> = ends.iter().map(|(_, e)| e.latency_ms).collect();
+    let (lock, finish) =
+        futures::try_join!(tx.prepare_cached(LOCK_MANY), tx.prepare_cached(FINISH_MANY))?;
+    let lock_params = [&ids as _];
+    let finish_params: [&(dyn tokio_postgres::types::ToSql + Sync); 13] = [
+        &ids, &epochs, &statuses, &results, &errors, &attempts, &"running", &end_ids, &seqs,
+        &classes, &http, &errs, &latencies,
+    ];
+    // Pipelined: one round trip, executed in order.
+    let (_, rows) = futures::try_join!(
+        tx.query(&lock, &lock_params),
+        tx.query(&finish, &finish_params)
+    )?;
+    let by_id: HashMap<i64, &Finish> = items.iter().map(|f| (f.id, f)).collect();
+    let mut finished: HashMap<i64, KeyState> = HashMap::with_capacity(rows.len());
+    let mut outcomes = Vec::with_capacity(rows.len());
+    for row in &rows {
+        let id: i64 = row.get(0);
+        let f = by_id[&id];
+        let state = KeyState {
+            key: row.get(1),
+            run_id: row.get(2),
+            step: row.get(3),
+            tool: row.get(4),
+            status: f.settled.status,
+            result: f.settled.result.clone(),
+            error: f.settled.error.clone(),
+            attempts: row.get(6),
+            first_event_id: row.get(5),
+            at: row.get(8),
+        };
+        let traceparent: Option<String> = row.get(9);
+        outcomes.push(answer::status_change(
+            &state,
+            row.get(7),
+            traceparent.clone(),
+        ));
+        let waiting: Option<Vec<String>> = row.get(10);
+        for event_id in waiting.unwrap_or_default() {
+            if event_id != state.first_event_id {
+                outcomes.push(answer::duplicate(&state, &event_id, traceparent.clone()));
+            }
+        }
+        finished.insert(id, state);
+    }
+    insert_outbox(tx, &outcomes, channel).await?;
+    Ok(items.iter().map(|f| finished.remove(&f.id)).collect())
+}

@@ -1,0 +1,94 @@
+//! Outbox rows: written with the state change they announce, read and marked by the publisher.
+
+use deadpool_postgres::Transaction;
+use serde_json::Value;
+use tokio_postgres::GenericClient;
+
+use crate::db::DbError;
+use crate::event::Outcome;
+use crate::intent::sql::INSERT_OUTBOX;
+
+/// The LISTEN/NOTIFY channel of one schema's outbox.
+pub fn outbox_channel(schema: &str) -> String {
+    format!("idem_outbox_{schema}")
+}
+
+pub(crate) async fn insert_outbox(
+    tx: &Transaction<'_>,
+    outcomes: &[Outcome],
+    channel: &str,
+) -> Result<usize, DbError> {
+    if outcomes.is_empty() {
+        return Ok(0);
+    }
+    let ids: Vec<&str> = outcomes.iter().map(|o| o.event_id.as_str()).collect();
+    let keys: Vec<&str> = outcomes.iter().map(|o| o.key.as_str()).collect();
+    let payloads: Vec<&Value> = outcomes.iter().map(|o| &o.payload).collect();
+    let traces: Vec<Option<&str>> = outcomes.iter().map(|o| o.traceparent.as_deref()).collect();
+    let statement = tx.prepare_cached(INSERT_OUTBOX).await?;
+    let row = tx
+        .query_one(&statement, &[&ids, &keys, &payloads, &traces, &channel])
+        .await?;
+    Ok(row.get::<_, i64>(0) as usize)
+}
+
+// ------------------------------------------------------------------ executor
+
+#[derive(Debug)]
+pub struct OutboxRow {
+    pub id: i64,
+    pub event_id: String,
+    pub key: String,
+    pub payload: Value,
+    pub traceparent: Option<String>,
+}
+
+const SELECT_UNPUBLISHED: &str = "
+    select id, event_id, kafka_key, payload, traceparent from outbox
+     where published_at is null and quarantined_at is null
+     order by id
+     limit $1
+     for update skip locked";
+
+const MARK_PUBLISHED: &str = "update outbox set published_at = now() where id = any($1)";
+
+const QUARANTINE: &str = "
+    update outbox set quarantined_at = now(), quarantine_reason = $2 where id = $1";
+
+/// Sets aside an outbox row the producer refuses for good, with the reason.
+pub async fn quarantine(tx: &Transaction<'_>, id: i64, reason: &str) -> Result<(), DbError> {
+    tx.execute(QUARANTINE, &[&id, &reason]).await?;
+    Ok(())
+}
+
+const OUTBOX_LAG: &str = "
+    select count(*), coalesce(extract(epoch from now() - min(created_at))::float8, 0)
+      from outbox where published_at is null and quarantined_at is null";
+
+pub async fn unpublished(tx: &Transaction<'_>, limit: i64) -> Result<Vec<OutboxRow>, DbError> {
+    Ok(tx
+        .query(&tx.prepare_cached(SELECT_UNPUBLISHED).await?, &[&limit])
+        .await?
+        .iter()
+        .map(|r| OutboxRow {
+            id: r.get(0),
+            event_id: r.get(1),
+            key: r.get(2),
+            payload: r.get(3),
+            traceparent: r.get(4),
+        })
+        .collect())
+}
+
+pub async fn mark_published(tx: &Transaction<'_>, ids: &[i64]) -> Result<(), DbError> {
+    tx.execute(&tx.prepare_cached(MARK_PUBLISHED).await?, &[&ids])
+        .await?;
+    Ok(())
+}
+
+pub async fn outbox_lag(client: &impl GenericClient) -> Result<(i64, f64), DbError> {
+    let row = client.query_one(OUTBOX_LAG, &[]).await?;
+    Ok((row.get(0), row.get(1)))
+}
+
+// ------------------------------------------------------------- group commit
