@@ -13,13 +13,13 @@ use rdkafka::producer::FutureRecord;
 use rdkafka::Message;
 use tokio_util::sync::CancellationToken;
 
+use crate::action::key;
+use crate::action::{self, BadAction};
 use crate::config::Config;
 use crate::db::DbError;
-use crate::event::{self, BadAction};
 use crate::execute::Executor;
 use crate::intent::{Incoming, KeyedAction, Position};
 use crate::kafka::ActionConsumer;
-use crate::key;
 use crate::metrics::{Metrics, Origin};
 
 /// Tries to write one dead letter before the batch is given up and read again (about 30 s
@@ -298,7 +298,7 @@ impl Consume {
             message: bad.detail,
             partial: bad.partial.map(|p| *p),
         };
-        let event = match event::decode_action(
+        let event = match action::decode_action(
             m.payload(),
             m.key(),
             &headers,
@@ -308,7 +308,7 @@ impl Consume {
             Err(bad) => return rejected(bad),
         };
         let partial = || {
-            Some(event::PartialAction {
+            Some(action::PartialAction {
                 event_id: event.id.clone(),
                 run_id: event.data.run_id.clone(),
                 key: event
@@ -328,7 +328,7 @@ impl Consume {
         let Some(tool) = self.config.tool(&event.data.tool) else {
             return Incoming::Rejected {
                 pos,
-                code: event::DeadLetterReason::UnknownTool.as_str(),
+                code: action::DeadLetterReason::UnknownTool.as_str(),
                 message: format!("tool {} is not configured", event.data.tool),
                 partial: partial(),
             };
@@ -349,7 +349,7 @@ impl Consume {
                     if key::validate_key(&p.key).is_err() {
                         return Incoming::Rejected {
                             pos,
-                            code: event::DeadLetterReason::InvalidKey.as_str(),
+                            code: action::DeadLetterReason::InvalidKey.as_str(),
                             message: e.to_string(),
                             partial: None,
                         };
@@ -357,7 +357,7 @@ impl Consume {
                 }
                 Incoming::Rejected {
                     pos,
-                    code: event::DeadLetterReason::InvalidKey.as_str(),
+                    code: action::DeadLetterReason::InvalidKey.as_str(),
                     message: e.to_string(),
                     partial: p,
                 }

@@ -4,8 +4,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Map, Value};
 
+use crate::action::key;
 use crate::config::{FieldPath, HttpExecutor, StatusClass};
-use crate::key;
 
 /// What one HTTP attempt tells about the effect.
 #[derive(Debug)]
@@ -44,7 +44,7 @@ impl Attempt {
 }
 
 /// Fills `{key}` and `{args.x}` placeholders, URL-encoded.
-pub fn fill_url(template: &str, idem_key: &str, data: &crate::event::ActionData) -> String {
+pub fn fill_url(template: &str, idem_key: &str, data: &crate::action::ActionData) -> String {
     let mut out = String::with_capacity(template.len() + idem_key.len());
     let mut rest = template;
     while let Some(start) = rest.find('{') {
@@ -89,7 +89,7 @@ fn body_value(status: u16, bytes: &[u8]) -> Value {
         Ok(v) => v,
         Err(_) => json!({"status": status, "body": String::from_utf8_lossy(bytes)}),
     };
-    crate::event::storable_result(v, MAX_RESULT_BYTES)
+    crate::outcome::storable_result(v, MAX_RESULT_BYTES)
 }
 
 fn retry_after(headers: &reqwest::header::HeaderMap) -> Option<Duration> {
@@ -269,7 +269,7 @@ mod tests {
 
     #[test]
     fn url_placeholders_are_encoded() {
-        let data: crate::event::ActionData = serde_json::from_value(json!({
+        let data: crate::action::ActionData = serde_json::from_value(json!({
             "run_id": "r", "tool": "t", "args": {"order": "a/b c", "n": 5}
         }))
         .unwrap();

@@ -5,8 +5,8 @@ use deadpool_postgres::Pool;
 use serde_json::{json, Value};
 
 use crate::db::DbError;
-use crate::event::{OutcomeError, OutcomeStatus};
 use crate::outcome::{FinishError, Guard, Settled};
+use crate::outcome::{OutcomeError, OutcomeStatus};
 
 #[derive(Debug, thiserror::Error)]
 pub enum InspectError {

@@ -25,13 +25,13 @@
 //! [`relay`] (wiring and shutdown), [`inspect`] (`explain` and `resolve` for people) and
 //! [`fake_downstream`] (a downstream that counts effects).
 
+pub mod action;
 pub mod admin;
 pub mod attempt_log;
 pub mod batch;
 pub mod config;
 pub mod consume;
 pub mod db;
-pub mod event;
 pub mod execute;
 pub mod fake_downstream;
 pub mod gates;
@@ -39,7 +39,6 @@ pub mod http;
 pub mod inspect;
 pub mod intent;
 pub mod kafka;
-pub mod key;
 pub mod metrics;
 pub mod outcome;
 pub mod publish;

@@ -209,7 +209,7 @@ async fn main() -> anyhow::Result<()> {
                 data["idempotency_key"] = k.clone().into();
             }
             let event = serde_json::json!({
-                "specversion": "1.0", "id": id, "source": "idem-cli", "type": idem::event::ACTION_TYPE,
+                "specversion": "1.0", "id": id, "source": "idem-cli", "type": idem::action::ACTION_TYPE,
                 "time": chrono::Utc::now().to_rfc3339(), "datacontenttype": "application/json", "data": data,
             });
             let payload = serde_json::to_vec(&event)?;
@@ -231,7 +231,7 @@ async fn main() -> anyhow::Result<()> {
                         .headers(rdkafka::message::OwnedHeaders::new().insert(
                             rdkafka::message::Header {
                                 key: "content-type",
-                                value: Some(idem::event::STRUCTURED_CONTENT_TYPE),
+                                value: Some(idem::action::STRUCTURED_CONTENT_TYPE),
                             },
                         )),
                     Duration::from_secs(30),

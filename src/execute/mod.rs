@@ -28,16 +28,17 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
+use crate::action::key;
+use crate::action::ActionData;
 use crate::attempt_log;
 use crate::batch::{BatchError, Batcher};
 use crate::config::{Config, Executor as ExecutorKind, RetryPolicy, SqlParam, Tool, ToolClass};
 use crate::db::{self, DbError, DATA_PATH_STATEMENT_TIMEOUT_MS};
-use crate::event::{ActionData, OutcomeError, OutcomeStatus};
 use crate::http::{self, Attempt, Verified};
-use crate::key;
 use crate::metrics::Metrics;
 use crate::outcome::answer::KeyState;
 use crate::outcome::{Finish, FinishError, Guard, Settled};
+use crate::outcome::{OutcomeError, OutcomeStatus};
 
 pub mod claim;
 

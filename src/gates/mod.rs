@@ -5,12 +5,12 @@ use std::collections::HashMap;
 use deadpool_postgres::Transaction;
 use serde_json::Value;
 
+use crate::action::key;
 use crate::config::{Tool, ToolClass};
 use crate::db::DbError;
-use crate::event::OutcomeError;
 use crate::intent::sql::COUNT_RUN;
 use crate::intent::KeyedAction;
-use crate::key;
+use crate::outcome::OutcomeError;
 
 /// Per-action gates, decided from the tool's config when the action is decoded.
 #[derive(Debug, Clone, Default)]
@@ -26,7 +26,7 @@ pub struct Gates {
 }
 
 impl Gates {
-    pub fn of(tool: &Tool, data: &crate::event::ActionData, run_cap: Option<u32>) -> Self {
+    pub fn of(tool: &Tool, data: &crate::action::ActionData, run_cap: Option<u32>) -> Self {
         let approval = match &tool.approval {
             crate::config::Approval::None => false,
             crate::config::Approval::Required => true,

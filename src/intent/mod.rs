@@ -4,11 +4,12 @@
 use chrono::{DateTime, Utc};
 use serde_json::{Map, Value};
 
+use crate::action::key;
+use crate::action::{ActionEvent, PartialAction};
 use crate::config::{Tool, ToolClass};
-use crate::event::{ActionEvent, OutcomeError, OutcomeStatus, PartialAction};
-use crate::key;
 use crate::metrics::Origin;
 use crate::outcome::answer::KeyState;
+use crate::outcome::{OutcomeError, OutcomeStatus};
 
 use crate::execute::claim::Claimed;
 use crate::gates::Gates;

@@ -6,18 +6,18 @@ use chrono::{DateTime, Utc};
 use deadpool_postgres::Transaction;
 use serde_json::Value;
 
+use crate::action::key;
 use crate::config::ToolClass;
 use crate::db::DbError;
-use crate::event::{Outcome, OutcomeError, OutcomeStatus};
 use crate::gates::{count_runs, gate_error};
 use crate::intent::sql::{
     FAILED_REATTEMPTS, INSERT_DELIVERIES, INSERT_INTENTS, INSERT_INTENTS_OPENING_CALLS,
     OPEN_FIRST_CALLS, REJECT_NEW, SELECT_KEYS_FOR_SHARE, SELECT_SEEN_EVENTS, TOMBSTONED,
 };
 use crate::intent::{BatchResult, Claimant, Incoming, KeyedAction, Position};
-use crate::key;
 use crate::metrics::Origin;
 use crate::outcome::answer::{self, KeyState};
+use crate::outcome::{Outcome, OutcomeError, OutcomeStatus};
 use crate::publish::outbox::insert_outbox;
 
 #[derive(Default)]

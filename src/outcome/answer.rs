@@ -4,7 +4,7 @@
 use chrono::{DateTime, Utc};
 use serde_json::Value;
 
-use crate::event::{outcome_id, Outcome, OutcomeData, OutcomeError, OutcomeStatus};
+use crate::outcome::{outcome_id, Outcome, OutcomeData, OutcomeError, OutcomeStatus};
 
 /// What is known of a key when an outcome is written.
 #[derive(Debug, Clone)]

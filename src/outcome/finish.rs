@@ -7,9 +7,9 @@ use deadpool_postgres::Transaction;
 use serde_json::Value;
 
 use crate::db::DbError;
-use crate::event::{OutcomeError, OutcomeStatus};
 use crate::execute::claim::{end_attempt, AttemptEnd};
 use crate::outcome::answer::{self, KeyState};
+use crate::outcome::{OutcomeError, OutcomeStatus};
 use crate::publish::outbox::insert_outbox;
 
 /// The settled state of a call.

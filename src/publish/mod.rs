@@ -13,9 +13,9 @@ use tokio::sync::Notify;
 use tokio_postgres::{AsyncMessage, NoTls};
 use tokio_util::sync::CancellationToken;
 
+use crate::action::STRUCTURED_CONTENT_TYPE;
 use crate::config::Config;
 use crate::db::{self, DbError};
-use crate::event::STRUCTURED_CONTENT_TYPE;
 use crate::metrics::Metrics;
 
 pub mod outbox;

@@ -5,8 +5,8 @@ use serde_json::Value;
 use tokio_postgres::GenericClient;
 
 use crate::db::DbError;
-use crate::event::Outcome;
 use crate::intent::sql::INSERT_OUTBOX;
+use crate::outcome::Outcome;
 
 /// The LISTEN/NOTIFY channel of one schema's outbox.
 pub fn outbox_channel(schema: &str) -> String {

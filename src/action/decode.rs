@@ -1,15 +1,8 @@
-//! The wire contract: action events in (CloudEvents 1.0, structured or binary mode), outcome
-//! events out. Decoding errors carry the dead-letter reason they map to.
+//! Decoding action messages. Decoding errors carry the dead-letter reason they map to.
 
-use serde::{Deserialize, Serialize};
-use serde_json::{Map, Value};
+use serde_json::Value;
 
-pub const ACTION_TYPE: &str = "dev.idem.action.v1";
-pub const OUTCOME_TYPE: &str = "dev.idem.outcome.v1";
-pub const OUTCOME_SOURCE: &str = "idem";
-pub const STRUCTURED_CONTENT_TYPE: &str = "application/cloudevents+json";
-/// Longest event id, run id, tool name or business id accepted.
-pub const MAX_ID_BYTES: usize = 255;
+use super::{ActionData, ActionEvent, Headers, ACTION_TYPE, MAX_ID_BYTES};
 
 /// Why an action message was dead-lettered: the `idem-dlq-reason` header.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -72,33 +65,6 @@ impl BadAction {
         }
     }
 }
-
-/// A decoded action event.
-#[derive(Debug, Clone)]
-pub struct ActionEvent {
-    pub id: String,
-    pub source: String,
-    pub time: Option<String>,
-    pub traceparent: Option<String>,
-    pub data: ActionData,
-}
-
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ActionData {
-    pub run_id: String,
-    pub tool: String,
-    pub args: Map<String, Value>,
-    #[serde(default)]
-    pub step: Option<i64>,
-    #[serde(default)]
-    pub business_id: Option<String>,
-    #[serde(default)]
-    pub idempotency_key: Option<String>,
-}
-
-/// Kafka headers of one message, as (name, value) pairs.
-pub type Headers<'a> = [(&'a str, &'a [u8])];
 
 fn header<'a>(headers: &'a Headers<'a>, name: &str) -> Option<&'a [u8]> {
     headers
@@ -309,7 +275,7 @@ fn partial_from(event_id: &str, data: &Value, kafka_key: Option<&[u8]>) -> Optio
                 .and_then(|k| std::str::from_utf8(k).ok())
                 .map(str::to_string)
         })
-        .filter(|k| crate::key::validate_key(k).is_ok())
+        .filter(|k| crate::action::key::validate_key(k).is_ok())
         .unwrap_or_else(|| run_id.clone());
     let storable = |s: &str| s.len() <= MAX_ID_BYTES && !s.contains('\0');
     if !storable(&run_id) || !storable(event_id) {
@@ -343,34 +309,6 @@ pub fn find_nul(v: &Value, path: &str) -> Option<String> {
     }
 }
 
-/// Makes a downstream's answer storable: NUL characters dropped, and a body larger than
-/// `max_bytes` replaced by a note of its size (outcome events must stay publishable).
-pub fn storable_result(v: Value, max_bytes: usize) -> Value {
-    fn strip(v: Value) -> Value {
-        match v {
-            Value::String(s) if s.contains('\0') => Value::String(s.replace('\0', "")),
-            Value::Array(items) => Value::Array(items.into_iter().map(strip).collect()),
-            Value::Object(m) => Value::Object(
-                m.into_iter()
-                    .map(|(k, x)| (k.replace('\0', ""), strip(x)))
-                    .collect(),
-            ),
-            other => other,
-        }
-    }
-    let v = strip(v);
-    let size = serde_json::to_vec(&v).map_or(0, |b| b.len());
-    if size > max_bytes {
-        serde_json::json!({
-            "truncated": true,
-            "bytes": size,
-            "note": format!("the downstream's answer was larger than {max_bytes} bytes and is not kept"),
-        })
-    } else {
-        v
-    }
-}
-
 fn valid_traceparent(t: &str) -> bool {
     let parts: Vec<&str> = t.split('-').collect();
     let hex = |s: &str, n: usize| {
@@ -381,123 +319,6 @@ fn valid_traceparent(t: &str) -> bool {
         && hex(parts[1], 32)
         && hex(parts[2], 16)
         && hex(parts[3], 2)
-}
-
-/// Status of a key as reported in outcome events.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum OutcomeStatus {
-    Succeeded,
-    Failed,
-    Unknown,
-    PendingApproval,
-    Rejected,
-}
-
-impl OutcomeStatus {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            OutcomeStatus::Succeeded => "succeeded",
-            OutcomeStatus::Failed => "failed",
-            OutcomeStatus::Unknown => "unknown",
-            OutcomeStatus::PendingApproval => "pending_approval",
-            OutcomeStatus::Rejected => "rejected",
-        }
-    }
-
-    pub fn parse(s: &str) -> Option<Self> {
-        Some(match s {
-            "succeeded" => OutcomeStatus::Succeeded,
-            "failed" => OutcomeStatus::Failed,
-            "unknown" => OutcomeStatus::Unknown,
-            "pending_approval" => OutcomeStatus::PendingApproval,
-            "rejected" => OutcomeStatus::Rejected,
-            _ => return None,
-        })
-    }
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct OutcomeError {
-    pub code: String,
-    pub message: String,
-    pub retryable: bool,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub fields: Option<Vec<String>>,
-}
-
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct OutcomeData {
-    pub idempotency_key: String,
-    pub run_id: Option<String>,
-    pub step: Option<i64>,
-    pub tool: Option<String>,
-    pub action_event_id: String,
-    pub status: OutcomeStatus,
-    pub result: Option<Value>,
-    pub error: Option<OutcomeError>,
-    pub duplicate: bool,
-    pub attempts: i32,
-    pub note: String,
-}
-
-/// A ready-to-publish outcome: its stable id, Kafka key and CloudEvents JSON.
-#[derive(Debug, Clone)]
-pub struct Outcome {
-    pub event_id: String,
-    pub key: String,
-    pub payload: Value,
-    pub traceparent: Option<String>,
-}
-
-/// Stable outcome id: the same (key, answer) always gets the same id, so a republished
-/// outcome is recognisable and consumers can dedupe on it.
-pub fn outcome_id(key: &str, answer: &str) -> String {
-    use sha2::{Digest, Sha256};
-    let mut h = Sha256::new();
-    h.update(key.as_bytes());
-    h.update([0]);
-    h.update(answer.as_bytes());
-    let digest = h.finalize();
-    let hex = hex::encode(&digest[..16]);
-    format!(
-        "{}-{}-{}-{}-{}",
-        &hex[..8],
-        &hex[8..12],
-        &hex[12..16],
-        &hex[16..20],
-        &hex[20..32]
-    )
-}
-
-impl Outcome {
-    pub fn new(
-        event_id: String,
-        data: OutcomeData,
-        time: chrono::DateTime<chrono::Utc>,
-        traceparent: Option<String>,
-    ) -> Self {
-        let key = data.idempotency_key.clone();
-        let mut payload = serde_json::json!({
-            "specversion": "1.0",
-            "type": OUTCOME_TYPE,
-            "source": OUTCOME_SOURCE,
-            "id": event_id,
-            "subject": key,
-            "time": time.to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
-            "datacontenttype": "application/json",
-            "data": data,
-        });
-        if let Some(t) = &traceparent {
-            payload["traceparent"] = Value::String(t.clone());
-        }
-        Outcome {
-            event_id,
-            key,
-            payload,
-            traceparent,
-        }
-    }
 }
 
 #[cfg(test)]
@@ -601,14 +422,6 @@ mod tests {
             (p.run_id.as_str(), p.key.as_str(), p.event_id.as_str()),
             ("r1", "k1", "evt-1")
         );
-    }
-
-    #[test]
-    fn outcome_ids_are_stable_and_distinct() {
-        assert_eq!(outcome_id("k", "status:1"), outcome_id("k", "status:1"));
-        assert_ne!(outcome_id("k", "status:1"), outcome_id("k", "status:2"));
-        assert_ne!(outcome_id("k", "status:1"), outcome_id("k2", "status:1"));
-        assert_eq!(outcome_id("k", "x").len(), 36);
     }
 
     #[test]

@@ -9,8 +9,8 @@
 use serde_json::{Map, Value};
 use sha2::{Digest, Sha256};
 
+use crate::action::ActionData;
 use crate::config::{FieldPath, Tool};
-use crate::event::ActionData;
 
 pub const MAX_KEY_BYTES: usize = 255;
 
