@@ -8,8 +8,6 @@ use serde_json::Value;
 use crate::action::key;
 use crate::config::{Tool, ToolClass};
 use crate::db::DbError;
-use crate::intent::sql::COUNT_RUN;
-use crate::intent::KeyedAction;
 use crate::outcome::OutcomeError;
 
 /// Per-action gates, decided from the tool's config when the action is decoded.
@@ -57,33 +55,50 @@ pub(crate) fn gate_error(code: &str, message: String) -> OutcomeError {
     }
 }
 
+// Counted in the transaction that records the intents: two relays cannot both take the last
+// slot, since the counter row is locked until commit.
+const COUNT_RUN: &str = "
+    insert into run_counts (run_id, tool, n)
+    select * from unnest($1::text[], $2::text[], $3::int4[])
+    on conflict (run_id, tool) do update set n = run_counts.n + excluded.n
+    returning run_id, tool, n";
+
+/// One newly recorded intent, as the per-run limits see it.
+pub(crate) struct Counted<'a> {
+    pub id: i64,
+    pub run_id: &'a str,
+    pub tool: &'a str,
+    pub class: ToolClass,
+    pub gates: &'a Gates,
+}
+
 /// Counts newly recorded intents against their tool's and their run's limits; returns the ids
 /// over a limit, with the reason.
 pub(crate) async fn count_runs(
     tx: &Transaction<'_>,
-    recorded: &[(&KeyedAction, i64)],
+    recorded: &[Counted<'_>],
 ) -> Result<HashMap<i64, String>, DbError> {
     // (run, tool or "*") → (limit, this batch's intents, in order)
     let mut groups: std::collections::BTreeMap<(String, String), (u32, Vec<i64>)> =
         Default::default();
-    for (a, id) in recorded {
+    for a in recorded {
         if a.class == ToolClass::ReadOnly {
             continue;
         }
-        let run = a.event.data.run_id.clone();
+        let run = a.run_id.to_string();
         if let Some(limit) = a.gates.max_per_run {
             groups
-                .entry((run.clone(), a.tool.clone()))
+                .entry((run.clone(), a.tool.to_string()))
                 .or_insert((limit, Vec::new()))
                 .1
-                .push(*id);
+                .push(a.id);
         }
         if let Some(limit) = a.gates.run_cap {
             groups
                 .entry((run, "*".to_string()))
                 .or_insert((limit, Vec::new()))
                 .1
-                .push(*id);
+                .push(a.id);
         }
     }
     let mut over = HashMap::new();

@@ -9,7 +9,7 @@ use serde_json::Value;
 use crate::action::key;
 use crate::config::ToolClass;
 use crate::db::DbError;
-use crate::gates::{count_runs, gate_error};
+use crate::gates::{count_runs, gate_error, Counted};
 use crate::intent::sql::{
     FAILED_REATTEMPTS, INSERT_DELIVERIES, INSERT_INTENTS, INSERT_INTENTS_OPENING_CALLS,
     OPEN_FIRST_CALLS, REJECT_NEW, SELECT_KEYS_FOR_SHARE, SELECT_SEEN_EVENTS, TOMBSTONED,
@@ -364,7 +364,17 @@ pub async fn record_batch(
         }
 
         // 4. Per-run limits, counted with the insert: the N+1-th distinct intent is refused.
-        let over = count_runs(tx, &recorded).await?;
+        let counted: Vec<Counted> = recorded
+            .iter()
+            .map(|(a, id)| Counted {
+                id: *id,
+                run_id: &a.event.data.run_id,
+                tool: &a.tool,
+                class: a.class,
+                gates: &a.gates,
+            })
+            .collect();
+        let over = count_runs(tx, &counted).await?;
         for (a, id) in recorded {
             if let Some(message) = over.get(&id) {
                 let error = gate_error("run_limit_exceeded", message.clone());

@@ -87,14 +87,6 @@ pub(crate) const FAILED_REATTEMPTS: &str = "
      where i.status = 'failed'
      group by 1, 2, 3";
 
-// Counted in the transaction that records the intents: two relays cannot both take the last
-// slot, since the counter row is locked until commit.
-pub(crate) const COUNT_RUN: &str = "
-    insert into run_counts (run_id, tool, n)
-    select * from unnest($1::text[], $2::text[], $3::int4[])
-    on conflict (run_id, tool) do update set n = run_counts.n + excluded.n
-    returning run_id, tool, n";
-
 pub(crate) const REJECT_NEW: &str = "
     update intents set status = 'rejected', error = $2, finished_at = now(), updated_at = now(),
                        lease_owner = null, lease_expires_at = null
