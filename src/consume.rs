@@ -180,7 +180,7 @@ impl Consume {
                 }
             }
         };
-        crate::execute::crash_point!("after-intent-commit");
+        crate::failpoint::crash_point!("after-intent-commit");
 
         // The intents are durable: now, and only now, may these offsets advance.
         let mut high: BTreeMap<(&str, i32), i64> = BTreeMap::new();

@@ -27,15 +27,14 @@
 
 pub mod action;
 pub mod admin;
-pub mod attempt_log;
-pub mod batch;
 pub mod config;
 pub mod consume;
 pub mod db;
 pub mod execute;
+pub mod failpoint;
 pub mod fake_downstream;
 pub mod gates;
-pub mod http;
+pub mod group_commit;
 pub mod inspect;
 pub mod intent;
 pub mod kafka;
@@ -44,3 +43,4 @@ pub mod outcome;
 pub mod publish;
 pub mod recovery;
 pub mod relay;
+pub mod retry;

@@ -7,8 +7,15 @@ use std::time::Duration;
 use deadpool_postgres::Transaction;
 use tokio_postgres::GenericClient;
 
-use crate::attempt_log;
+use std::sync::Arc;
+
+use tokio_util::sync::CancellationToken;
+
+use crate::config::{Executor as ExecutorKind, ToolClass};
 use crate::db::DbError;
+use crate::execute::attempt_log;
+use crate::execute::{error, Executor};
+use crate::outcome::{FinishError, Guard, OutcomeStatus, Settled};
 
 /// Intents left behind: recorded but never claimed (a relay died before dispatching them), or
 /// claimed by a relay whose lease ran out.
@@ -143,4 +150,99 @@ pub async fn parked_counts(client: &impl GenericClient) -> Result<Vec<(String, i
         .collect())
 }
 
-// -------------------------------------------------------------------- outbox
+/// Finds intents left behind by a crash or an expired lease and finishes them. Safe in every
+/// relay at once: rows are locked with SKIP LOCKED.
+/// Finds intents left behind by a crash or an expired lease and finishes them. Safe in every
+/// relay at once: rows are locked with SKIP LOCKED.
+pub async fn run(executor: Arc<Executor>, interval: Duration, shutdown: CancellationToken) {
+    loop {
+        match sweep(&executor).await {
+            Ok(n) if n > 0 => tracing::info!(recovered = n, "recovered intents"),
+            Ok(_) => {}
+            Err(e) => tracing::warn!(error = %e, "recovery sweep failed"),
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(interval) => {}
+        }
+    }
+}
+
+/// One sweep: orphans are requeued with the attempt log's verdict, or parked `unknown`.
+pub async fn sweep(executor: &Arc<Executor>) -> Result<usize, DbError> {
+    let x = executor;
+    let expired = crate::inspect::expire_approvals(&x.control, &x.config).await?;
+    if expired > 0 {
+        tracing::info!(expired, "approvals timed out");
+    }
+    let mut client = x.control.get().await?;
+    if let Ok(counts) = parked_counts(&**client).await {
+        for status in ["unknown", "pending_approval"] {
+            let n = counts
+                .iter()
+                .find(|(s, _)| s == status)
+                .map_or(0, |(_, n)| *n);
+            x.metrics.parked(status, n);
+        }
+    }
+    let tx = client.transaction().await?;
+    // This relay's own queue is skipped in SQL, so a long local backlog cannot hide a
+    // lapsed claim from the sweep.
+    let local = x.local_ids();
+    let orphans = orphans(&tx, 2.0, 500, &local).await?;
+    let lapsed: Vec<i64> = orphans
+        .iter()
+        .filter(|o| o.was_running)
+        .map(|o| o.id)
+        .collect();
+    if !lapsed.is_empty() {
+        abandon_attempts(&tx, &lapsed).await?;
+    }
+    let ids: Vec<i64> = orphans.iter().map(|o| o.id).collect();
+    let mut histories = histories(&tx, &ids).await?;
+    let mut redispatch = Vec::new();
+    for o in &orphans {
+        if x.is_local(o.id) {
+            continue;
+        }
+        let tool = x.tools.get(&o.tool);
+        let dangerous_http = o.class == ToolClass::Dangerous.as_str()
+            && tool.is_none_or(|t| matches!(t.executor, ExecutorKind::Http(_)));
+        let can_verify = tool.is_some_and(|t| t.verify.is_some());
+        let history = histories.remove(&o.id).unwrap_or_default();
+        // The one rule: what the next claim does follows from the durable history alone.
+        let verdict = attempt_log::next_step(&history, dangerous_http);
+        if matches!(verdict.next, attempt_log::Next::Verify { .. }) && !can_verify {
+            // A call may have happened, and nothing can tell. Parked for a person.
+            let epoch = take_over(&tx, o.id, &x.owner, verdict.calls).await?;
+            let settled = Settled::new(
+                OutcomeStatus::Unknown,
+                None,
+                Some(error(
+                    "outcome_unknown",
+                    "the relay running this call stopped before recording its result".into(),
+                    false,
+                )),
+                0,
+            );
+            match crate::outcome::finish(&tx, o.id, Guard::Claim(epoch), &settled, None, &x.channel)
+                .await
+            {
+                Ok(_) => {
+                    x.metrics.unknown_outcome(&o.tool);
+                    x.metrics.outcome(&o.tool, "unknown");
+                }
+                Err(FinishError::Fenced(_)) => {}
+                Err(FinishError::Db(e)) => return Err(e),
+            }
+        } else {
+            requeue(&tx, o.id, &verdict).await?;
+            redispatch.push((o.id, o.tool.clone()));
+        }
+    }
+    tx.commit().await?;
+    for (id, tool) in &redispatch {
+        x.dispatch(*id, tool).await;
+    }
+    Ok(orphans.len())
+}

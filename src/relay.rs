@@ -155,11 +155,11 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Handle
         })
         .collect();
     let lease_task = tokio::spawn(executor.clone().keep_leases(stop_background.clone()));
-    let recovery_task = tokio::spawn(
-        executor
-            .clone()
-            .recover(config.relay.recovery_interval, stop_background.clone()),
-    );
+    let recovery_task = tokio::spawn(crate::recovery::run(
+        executor.clone(),
+        config.relay.recovery_interval,
+        stop_background.clone(),
+    ));
     let consume_task = tokio::spawn(consume.run(shutdown.clone()));
     let prune_task = tokio::spawn(prune_loop(
         maintenance,

@@ -1,5 +1,5 @@
 //! A model of the intent / attempt / lease / verify protocol, checked exhaustively with
-//! stateright. The rule recovery follows is the real one: [`idem::attempt_log::next_step`].
+//! stateright. The rule recovery follows is the real one: [`idem::execute::attempt_log::next_step`].
 //!
 //! What it covers: one dangerous key, two relays, a downstream that does not dedupe. Any relay
 //! may crash at any step (its in-flight request may still reach the downstream afterwards); a
@@ -21,7 +21,7 @@
 //! used before issue 12 (verify only when a *call* attempt was open) and requires the checker
 //! to find the double effect, so the model is known to catch that window.
 
-use idem::attempt_log::{next_step, Ended, Kind, Next, Past};
+use idem::execute::attempt_log::{next_step, Ended, Kind, Next, Past};
 use stateright::{Checker, Model, Property};
 use std::time::Duration;
 
@@ -119,7 +119,7 @@ enum VerifyAnswer {
 
 #[derive(Clone, Copy)]
 enum Rule {
-    /// `idem::attempt_log::next_step`.
+    /// `idem::execute::attempt_log::next_step`.
     AttemptLog,
     /// Before issue 12: verify only when a call attempt was still open at recovery.
     OpenCallOnly,

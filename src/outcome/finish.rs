@@ -136,8 +136,6 @@ pub async fn finish(
     Ok(state)
 }
 
-// ------------------------------------------------------------------ recovery
-
 /// One finished call for [`finish_many`].
 #[derive(Debug, Clone)]
 pub struct Finish {

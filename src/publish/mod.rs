@@ -181,7 +181,7 @@ impl Publisher {
                 }
             }
         }
-        crate::execute::crash_point!("after-publish-before-mark");
+        crate::failpoint::crash_point!("after-publish-before-mark");
         crate::publish::outbox::mark_published(&tx, &acked).await?;
         for (row, e) in &refused {
             let reason = format!("the producer refused it: {e}");

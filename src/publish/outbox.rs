@@ -32,8 +32,6 @@ pub(crate) async fn insert_outbox(
     Ok(row.get::<_, i64>(0) as usize)
 }
 
-// ------------------------------------------------------------------ executor
-
 #[derive(Debug)]
 pub struct OutboxRow {
     pub id: i64,
@@ -90,5 +88,3 @@ pub async fn outbox_lag(client: &impl GenericClient) -> Result<(i64, f64), DbErr
     let row = client.query_one(OUTBOX_LAG, &[]).await?;
     Ok((row.get(0), row.get(1)))
 }
-
-// ------------------------------------------------------------- group commit
