@@ -26,7 +26,6 @@
 //! [`fake_downstream`] (a downstream that counts effects).
 
 pub mod action;
-pub mod admin;
 pub mod config;
 pub mod consume;
 pub mod db;
@@ -35,10 +34,10 @@ pub mod failpoint;
 pub mod fake_downstream;
 pub mod gates;
 pub mod group_commit;
-pub mod inspect;
 pub mod intent;
 pub mod kafka;
 pub mod metrics;
+pub mod ops;
 pub mod outcome;
 pub mod publish;
 pub mod recovery;

@@ -259,11 +259,11 @@ async fn main() -> anyhow::Result<()> {
         Command::Explain { config, key, json } => {
             let config = load(&config)?;
             let pool = idem::db::pool(&config.postgres)?;
-            let e = idem::inspect::explain(&pool, &key).await?;
+            let e = idem::ops::explain(&pool, &key).await?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&e)?);
             } else {
-                print!("{}", idem::inspect::render(&e));
+                print!("{}", idem::ops::render(&e));
             }
         }
         Command::Resolve {
@@ -276,11 +276,11 @@ async fn main() -> anyhow::Result<()> {
             let config = load(&config)?;
             let pool = idem::db::pool(&config.postgres)?;
             let how = match resolution {
-                ResolveAs::Succeeded => idem::inspect::Resolution::Succeeded,
-                ResolveAs::Failed => idem::inspect::Resolution::Failed,
-                ResolveAs::Retry => idem::inspect::Resolution::Retry,
+                ResolveAs::Succeeded => idem::ops::Resolution::Succeeded,
+                ResolveAs::Failed => idem::ops::Resolution::Failed,
+                ResolveAs::Retry => idem::ops::Resolution::Retry,
             };
-            idem::inspect::resolve(&pool, &config.postgres.schema, &key, how, &by, &reason).await?;
+            idem::ops::resolve(&pool, &config.postgres.schema, &key, how, &by, &reason).await?;
             println!("{key}: resolved as {} by {by}", how.as_str());
         }
         Command::Approve {
@@ -292,8 +292,8 @@ async fn main() -> anyhow::Result<()> {
         } => {
             let config = load(&config)?;
             let pool = idem::db::pool(&config.postgres)?;
-            let d = idem::inspect::Decision::Approve;
-            idem::inspect::decide(
+            let d = idem::gates::Decision::Approve;
+            idem::gates::decide(
                 &pool,
                 &config.postgres.schema,
                 &key,
@@ -313,15 +313,15 @@ async fn main() -> anyhow::Result<()> {
         } => {
             let config = load(&config)?;
             let pool = idem::db::pool(&config.postgres)?;
-            let d = idem::inspect::Decision::Deny;
-            idem::inspect::decide(&pool, &config.postgres.schema, &key, d, &by, &reason, None)
+            let d = idem::gates::Decision::Deny;
+            idem::gates::decide(&pool, &config.postgres.schema, &key, d, &by, &reason, None)
                 .await?;
             println!("{key}: denied by {by}");
         }
         Command::Prune { config } => {
             let config = load(&config)?;
             let pool = idem::db::pool(&config.postgres)?;
-            let n = idem::inspect::prune(&pool, &config).await?;
+            let n = idem::gates::prune(&pool, &config).await?;
             println!("pruned {n} expired keys (tombstones kept)");
         }
         Command::FakeDownstream { listen, honor_key } => {

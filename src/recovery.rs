@@ -171,7 +171,7 @@ pub async fn run(executor: Arc<Executor>, interval: Duration, shutdown: Cancella
 /// One sweep: orphans are requeued with the attempt log's verdict, or parked `unknown`.
 pub async fn sweep(executor: &Arc<Executor>) -> Result<usize, DbError> {
     let x = executor;
-    let expired = crate::inspect::expire_approvals(&x.control, &x.config).await?;
+    let expired = crate::gates::expire_approvals(&x.control, &x.config).await?;
     if expired > 0 {
         tracing::info!(expired, "approvals timed out");
     }

@@ -9,13 +9,13 @@ use tokio::net::TcpListener;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
-use crate::admin::{self, AdminState};
 use crate::config::{Config, Executor as ExecutorKind, ToolClass};
 use crate::consume::Consume;
 use crate::db;
 use crate::execute::Executor;
 use crate::kafka::{self, RelayContext};
 use crate::metrics::Metrics;
+use crate::ops::admin::{self, AdminState};
 use crate::publish::{self, Publisher};
 
 #[derive(Debug, thiserror::Error)]
@@ -248,7 +248,7 @@ async fn prune_loop(
             _ = shutdown.cancelled() => return,
             _ = tokio::time::sleep(config.relay.prune_interval) => {}
         }
-        match crate::inspect::prune(&pool, &config).await {
+        match crate::gates::prune(&pool, &config).await {
             Ok(0) => {}
             Ok(n) => tracing::info!(pruned = n, "expired keys pruned; tombstones kept"),
             Err(e) => tracing::warn!(error = %e, "prune failed"),

@@ -694,11 +694,11 @@ async fn a_key_resolved_as_retry_is_called_again_once() {
     assert_eq!(env.downstream.effects(key), 0);
 
     let pool = idem::db::pool(&config.postgres).unwrap();
-    idem::inspect::resolve(
+    idem::ops::resolve(
         &pool,
         &config.postgres.schema,
         key,
-        idem::inspect::Resolution::Retry,
+        idem::ops::Resolution::Retry,
         "ops@oncall",
         "the provider's log has no such email",
     )

@@ -8,7 +8,7 @@ use std::time::Duration;
 use common::{action, Env};
 use idem::config::Config;
 use idem::fake_downstream::Step;
-use idem::inspect::Decision;
+use idem::gates::Decision;
 use serde_json::json;
 
 /// A refund with no verify and a downstream that ignores the key: gated by default.
@@ -57,7 +57,7 @@ async fn approval_gates_execution_and_binds_to_the_request() {
     let pool = pool(&env).await;
     let explained = common::explain(&env, key).await;
     let fingerprint = explained["fingerprint"].as_str().unwrap().to_string();
-    let wrong = idem::inspect::decide(
+    let wrong = idem::gates::decide(
         &pool,
         &env.schema,
         key,
@@ -70,7 +70,7 @@ async fn approval_gates_execution_and_binds_to_the_request() {
     assert!(
         matches!(
             wrong,
-            Err(idem::inspect::DecideError::FingerprintMismatch { .. })
+            Err(idem::gates::DecideError::FingerprintMismatch { .. })
         ),
         "{wrong:?}"
     );
@@ -109,7 +109,7 @@ async fn approval_gates_execution_and_binds_to_the_request() {
     p.send(&action("e3", refund("r1", "o2", 900, "full refund")))
         .await;
     outcomes.answer("e3", "pending_approval").await;
-    idem::inspect::decide(
+    idem::gates::decide(
         &pool,
         &env.schema,
         "r1:refund:ticket-7:o2",
@@ -152,7 +152,7 @@ async fn racing_decisions_end_with_one_decision_and_at_most_one_effect() {
     relay.stop().await;
     let pool = pool(&env).await;
     let twice = futures::future::join_all((0..4).map(|_| {
-        idem::inspect::decide(
+        idem::gates::decide(
             &pool,
             &env.schema,
             "r2:refund:ticket-7:o0",
@@ -165,7 +165,7 @@ async fn racing_decisions_end_with_one_decision_and_at_most_one_effect() {
     .await;
     assert_eq!(twice.iter().filter(|r| r.is_ok()).count(), 1, "{twice:?}");
     let (a, b) = tokio::join!(
-        idem::inspect::decide(
+        idem::gates::decide(
             &pool,
             &env.schema,
             "r2:refund:ticket-7:o1",
@@ -174,7 +174,7 @@ async fn racing_decisions_end_with_one_decision_and_at_most_one_effect() {
             "yes",
             None
         ),
-        idem::inspect::decide(
+        idem::gates::decide(
             &pool,
             &env.schema,
             "r2:refund:ticket-7:o1",
@@ -321,7 +321,7 @@ async fn a_pruned_key_resumed_is_stale_and_parked_keys_are_never_pruned() {
     // its run paused.
     pg.execute("update intents set finished_at = now() - interval '8 days', created_at = now() - interval '8 days' where status <> 'pending_approval'", &[]).await.unwrap();
     let pool = pool(&env).await;
-    let pruned = idem::inspect::prune(&pool, &config).await.unwrap();
+    let pruned = idem::gates::prune(&pool, &config).await.unwrap();
     assert_eq!(
         pruned, 1,
         "only the finished key of a run that waits on nothing"

@@ -170,7 +170,7 @@ async fn explain_shows_a_timeout_a_verify_and_a_duplicate() {
         })
         .collect();
     assert_eq!(statuses, [("succeeded", false), ("succeeded", true)]);
-    let text = idem::inspect::render(&e);
+    let text = idem::ops::render(&e);
     assert!(
         text.contains("model_retry") && text.contains("verify") && text.contains("(duplicate)"),
         "{text}"

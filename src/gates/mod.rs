@@ -10,6 +10,12 @@ use crate::config::{Tool, ToolClass};
 use crate::db::DbError;
 use crate::outcome::OutcomeError;
 
+mod approval;
+mod retention;
+
+pub use approval::{decide, expire_approvals, DecideError, Decision};
+pub use retention::prune;
+
 /// Per-action gates, decided from the tool's config when the action is decoded.
 #[derive(Debug, Clone, Default)]
 pub struct Gates {

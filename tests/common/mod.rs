@@ -491,7 +491,7 @@ pub async fn config_file(
 pub async fn explain(env: &Env, key: &str) -> Value {
     let config = Config::from_toml(&env.config_text("", ""), |_| None).unwrap();
     let pool = idem::db::pool(&config.postgres).unwrap();
-    idem::inspect::explain(&pool, key).await.expect("explain")
+    idem::ops::explain(&pool, key).await.expect("explain")
 }
 
 /// What a [`FaultProxy`] does to its connections.

@@ -54,9 +54,9 @@ async fn metrics(State(s): State<AdminState>) -> impl IntoResponse {
 }
 
 async fn explain(State(s): State<AdminState>, Path(key): Path<String>) -> Response {
-    match crate::inspect::explain(&s.pool, &key).await {
+    match crate::ops::explain(&s.pool, &key).await {
         Ok(e) => Json(e).into_response(),
-        Err(e @ crate::inspect::InspectError::NotFound(_)) => (
+        Err(e @ crate::ops::InspectError::NotFound(_)) => (
             StatusCode::NOT_FOUND,
             Json(serde_json::json!({"error": e.to_string()})),
         )
@@ -188,7 +188,7 @@ async fn decide(
     headers: HeaderMap,
     key: String,
     bytes: axum::body::Bytes,
-    decision: crate::inspect::Decision,
+    decision: crate::gates::Decision,
 ) -> Response {
     if let Err(r) = authorize(&s, &headers) {
         return r.into_response();
@@ -197,8 +197,8 @@ async fn decide(
         Ok(b) => b,
         Err(r) => return r.into_response(),
     };
-    use crate::inspect::DecideError as E;
-    match crate::inspect::decide(
+    use crate::gates::DecideError as E;
+    match crate::gates::decide(
         &s.pool,
         &s.schema,
         &key,
@@ -228,7 +228,7 @@ async fn approve(
     headers: HeaderMap,
     bytes: axum::body::Bytes,
 ) -> Response {
-    decide(s, headers, key, bytes, crate::inspect::Decision::Approve).await
+    decide(s, headers, key, bytes, crate::gates::Decision::Approve).await
 }
 
 async fn deny(
@@ -237,7 +237,7 @@ async fn deny(
     headers: HeaderMap,
     bytes: axum::body::Bytes,
 ) -> Response {
-    decide(s, headers, key, bytes, crate::inspect::Decision::Deny).await
+    decide(s, headers, key, bytes, crate::gates::Decision::Deny).await
 }
 
 async fn resolve(
@@ -253,7 +253,7 @@ async fn resolve(
         Ok(b) => b,
         Err(r) => return r.into_response(),
     };
-    use crate::inspect::{InspectError as E, Resolution};
+    use crate::ops::{InspectError as E, Resolution};
     let how = match b.resolution.as_deref() {
         Some("succeeded") => Resolution::Succeeded,
         Some("failed") => Resolution::Failed,
@@ -266,7 +266,7 @@ async fn resolve(
             .into_response()
         }
     };
-    match crate::inspect::resolve(&s.pool, &s.schema, &key, how, &b.by, &b.reason).await {
+    match crate::ops::resolve(&s.pool, &s.schema, &key, how, &b.by, &b.reason).await {
         Ok(()) => (
             StatusCode::OK,
             Json(serde_json::json!({"key": key, "resolved": how.as_str()})),

@@ -1,0 +1,207 @@
+//! Human approval: a person's decision on a key parked `pending_approval`, and the timeout
+//! that rejects keys nobody decided on.
+
+use deadpool_postgres::Pool;
+
+use crate::db::DbError;
+use crate::outcome::{FinishError, Guard, Settled};
+use crate::outcome::{OutcomeError, OutcomeStatus};
+
+/// A person's decision on a key waiting for approval.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Decision {
+    Approve,
+    Deny,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum DecideError {
+    #[error("no intent with key {0:?}")]
+    NotFound(String),
+    #[error("key {key:?} is {status}, not waiting for approval (decided before, or never gated)")]
+    NotPending { key: String, status: String },
+    #[error("key {key:?} now stands for request {actual}, not {expected}: look at it again before deciding")]
+    FingerprintMismatch {
+        key: String,
+        expected: String,
+        actual: String,
+    },
+    #[error(transparent)]
+    Db(#[from] DbError),
+}
+
+impl From<tokio_postgres::Error> for DecideError {
+    fn from(e: tokio_postgres::Error) -> Self {
+        DecideError::Db(DbError::Postgres(e))
+    }
+}
+
+const LOCK_FOR_DECISION: &str = "
+    select id, status, fingerprint from intents
+     where idempotency_key = $1 and class <> 'read_only'
+     for update";
+
+const RECORD_DECISION: &str = "
+    insert into approvals (intent_id, idempotency_key, fingerprint, decision, decided_by, reason)
+    values ($1, $2, $3, $4, $5, $6)
+    on conflict (intent_id) do nothing";
+
+// Backdated so the next recovery sweep (in any relay) claims it at once.
+const RELEASE_APPROVED: &str = "
+    update intents set status = 'pending', updated_at = now() - interval '1 hour'
+     where id = $1 and status = 'pending_approval'";
+
+/// Approves or denies a key parked `pending_approval`. The decision is bound to the request's
+/// material fingerprint (pass the one you looked at to be sure it is still the same); exactly one
+/// decision is ever recorded per intent, whatever races it.
+pub async fn decide(
+    pool: &Pool,
+    schema: &str,
+    key: &str,
+    decision: Decision,
+    by: &str,
+    reason: &str,
+    fingerprint: Option<&str>,
+) -> Result<(), DecideError> {
+    let mut client = pool.get().await.map_err(DbError::from)?;
+    let tx = client.transaction().await?;
+    let Some(row) = tx.query_opt(LOCK_FOR_DECISION, &[&key]).await? else {
+        return Err(DecideError::NotFound(key.to_string()));
+    };
+    let (id, status, actual): (i64, String, String) = (row.get(0), row.get(1), row.get(2));
+    if status != "pending_approval" {
+        return Err(DecideError::NotPending {
+            key: key.to_string(),
+            status,
+        });
+    }
+    if let Some(expected) = fingerprint.filter(|f| *f != actual) {
+        return Err(DecideError::FingerprintMismatch {
+            key: key.to_string(),
+            expected: expected.to_string(),
+            actual,
+        });
+    }
+    let word = match decision {
+        Decision::Approve => "approved",
+        Decision::Deny => "denied",
+    };
+    let n = tx
+        .execute(RECORD_DECISION, &[&id, &key, &actual, &word, &by, &reason])
+        .await?;
+    if n == 0 {
+        return Err(DecideError::NotPending {
+            key: key.to_string(),
+            status: "decided".into(),
+        });
+    }
+    match decision {
+        Decision::Approve => {
+            tx.execute(RELEASE_APPROVED, &[&id]).await?;
+        }
+        Decision::Deny => {
+            let settled = Settled {
+                status: OutcomeStatus::Rejected,
+                result: None,
+                error: Some(OutcomeError {
+                    code: "approval_denied".into(),
+                    message: format!("{by} denied it: {reason}"),
+                    retryable: false,
+                    fields: None,
+                }),
+                attempts: 0,
+            };
+            let channel = crate::publish::outbox::outbox_channel(schema);
+            match crate::outcome::finish(
+                &tx,
+                id,
+                Guard::Parked("pending_approval"),
+                &settled,
+                None,
+                &channel,
+            )
+            .await
+            {
+                Ok(_) => {}
+                Err(FinishError::Fenced(_)) => {
+                    return Err(DecideError::NotPending {
+                        key: key.to_string(),
+                        status: "changing".into(),
+                    })
+                }
+                Err(FinishError::Db(e)) => return Err(e.into()),
+            }
+        }
+    }
+    tx.commit().await?;
+    tracing::info!(
+        key,
+        decision = word,
+        by,
+        reason,
+        "approval decision recorded"
+    );
+    Ok(())
+}
+
+const EXPIRED_APPROVALS: &str = "
+    select id, idempotency_key, fingerprint from intents
+     where status = 'pending_approval' and tool = $1
+       and created_at < now() - make_interval(secs => $2)
+     order by id
+     limit 500
+     for update skip locked";
+
+/// Rejects keys that waited for approval longer than their tool's `approval_timeout`.
+pub async fn expire_approvals(
+    pool: &Pool,
+    config: &crate::config::Config,
+) -> Result<usize, DbError> {
+    let channel = crate::publish::outbox::outbox_channel(&config.postgres.schema);
+    let mut expired = 0;
+    for tool in config
+        .tools
+        .iter()
+        .filter(|t| t.approval != crate::config::Approval::None)
+    {
+        let mut client = pool.get().await?;
+        let tx = client.transaction().await?;
+        let timeout = tool.approval_timeout.as_secs_f64();
+        for row in tx.query(EXPIRED_APPROVALS, &[&tool.name, &timeout]).await? {
+            let (id, key, fp): (i64, String, String) = (row.get(0), row.get(1), row.get(2));
+            let reason = format!("nobody decided within {}s", tool.approval_timeout.as_secs());
+            tx.execute(
+                RECORD_DECISION,
+                &[&id, &key, &fp, &"expired", &"idem", &reason],
+            )
+            .await?;
+            let settled = Settled {
+                status: OutcomeStatus::Rejected,
+                result: None,
+                error: Some(OutcomeError {
+                    code: "approval_timeout".into(),
+                    message: reason,
+                    retryable: false,
+                    fields: None,
+                }),
+                attempts: 0,
+            };
+            match crate::outcome::finish(
+                &tx,
+                id,
+                Guard::Parked("pending_approval"),
+                &settled,
+                None,
+                &channel,
+            )
+            .await
+            {
+                Ok(_) => expired += 1,
+                Err(FinishError::Fenced(_)) => {}
+                Err(FinishError::Db(e)) => return Err(e),
+            }
+        }
+        tx.commit().await?;
+    }
+    Ok(expired)
+}

@@ -1,0 +1,28 @@
+//! What people do with keys, from the CLI or the admin API (both call the same functions):
+//! `explain` (every delivery, attempt, decision and outcome of one key, in one answer) and
+//! `resolve` (settle a key parked `unknown`, recording who and why).
+
+use crate::db::DbError;
+
+pub mod admin;
+mod explain;
+mod resolve;
+
+pub use explain::{explain, render};
+pub use resolve::{resolve, Resolution};
+
+#[derive(Debug, thiserror::Error)]
+pub enum InspectError {
+    #[error("no intent with key {0:?}")]
+    NotFound(String),
+    #[error("key {key:?} is {status}, not unknown: only parked keys are resolved")]
+    NotParked { key: String, status: String },
+    #[error(transparent)]
+    Db(#[from] DbError),
+}
+
+impl From<tokio_postgres::Error> for InspectError {
+    fn from(e: tokio_postgres::Error) -> Self {
+        InspectError::Db(DbError::Postgres(e))
+    }
+}
