@@ -1,0 +1,318 @@
+//! Configuration: a raw TOML shape (`deny_unknown_fields`, defaults) validated into a typed
+//! [`Config`] that rejects contradictions with a message naming the field.
+//!
+//! The environment is a parameter of [`Config::load`], so tests pass their own.
+
+mod raw;
+mod typed;
+mod validate;
+
+pub use typed::*;
+pub use validate::{parse_duration, placeholders};
+
+/// A configuration that cannot be used, with the field at fault.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config file {path}: {source}")]
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("config is not valid TOML for idem: {0}")]
+    Parse(String),
+    #[error("config field `{field}`: {reason}")]
+    Invalid { field: String, reason: String },
+}
+
+fn invalid(field: impl Into<String>, reason: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid {
+        field: field.into(),
+        reason: reason.into(),
+    }
+}
+
+/// Environment variables that override the file.
+pub const ENV_KAFKA_BROKERS: &str = "IDEM_KAFKA_BROKERS";
+pub const ENV_POSTGRES_URL: &str = "IDEM_POSTGRES_URL";
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+    use std::time::Duration;
+
+    use super::*;
+
+    fn no_env(_: &str) -> Option<String> {
+        None
+    }
+
+    const MINIMAL_TOOL: &str = r#"
+[[tools]]
+name = "send_email"
+class = "dangerous"
+key = ["run_id", "tool", "business_id"]
+material = ["args.to"]
+executor = { kind = "http", url = "http://127.0.0.1:8787/v1/send_email" }
+"#;
+
+    fn err(text: &str) -> String {
+        Config::from_toml(text, no_env).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn defaults_fill_an_empty_file() {
+        let c = Config::from_toml("", no_env).unwrap();
+        assert_eq!(c.kafka.actions_topic, "idem.actions");
+        assert_eq!(c.relay.concurrency, 256);
+        assert_eq!(c.admin.listen.port(), 9464);
+        assert!(c.tools.is_empty());
+    }
+
+    #[test]
+    fn env_overrides_brokers_and_url() {
+        let c = Config::from_toml(MINIMAL_TOOL, |k| match k {
+            ENV_KAFKA_BROKERS => Some("broker:1234".into()),
+            ENV_POSTGRES_URL => Some("postgres://u:p@db:5433/x".into()),
+            _ => None,
+        })
+        .unwrap();
+        assert_eq!(c.kafka.brokers, "broker:1234");
+        assert_eq!(c.postgres.url, "postgres://u:p@db:5433/x");
+    }
+
+    #[test]
+    fn unknown_field_is_named() {
+        let e = err("[relay]\nconcurency = 3\n");
+        assert!(e.contains("concurency"), "{e}");
+    }
+
+    #[test]
+    fn bad_values_name_their_field() {
+        let cases = [
+            ("[relay]\nconcurrency = 0\n", "relay.concurrency"),
+            ("[relay]\nbatch_linger = \"soon\"\n", "relay.batch_linger"),
+            ("[kafka]\npartitions = 0\n", "kafka.partitions"),
+            (
+                "[kafka]\nactions_topic = \"bad topic\"\n",
+                "kafka.actions_topic",
+            ),
+            (
+                "[kafka]\noutcomes_topic = \"idem.actions\"\n",
+                "kafka.actions_topic",
+            ),
+            (
+                "[kafka.consumer]\n\"enable.auto.offset.store\" = \"true\"\n",
+                "kafka.consumer.enable.auto.offset.store",
+            ),
+            ("[postgres]\nurl = \"mysql://x\"\n", "postgres.url"),
+            (
+                "[postgres]\nschema = \"Robert'); drop\"\n",
+                "postgres.schema",
+            ),
+            ("[admin]\nlisten = \"nowhere\"\n", "admin.listen"),
+        ];
+        for (text, field) in cases {
+            let e = err(text);
+            assert!(e.contains(&format!("`{field}`")), "{text:?} gave {e}");
+        }
+    }
+
+    #[test]
+    fn tool_errors_name_the_tool_field() {
+        let cases = [
+            (MINIMAL_TOOL.replace("dangerous", "risky"), "tools[0].class"),
+            (
+                MINIMAL_TOOL.replace("\"business_id\"]", "\"subject\"]"),
+                "tools[0].key",
+            ),
+            (
+                MINIMAL_TOOL.replace("key = [\"run_id\", \"tool\", \"business_id\"]", "key = []"),
+                "tools[0].key",
+            ),
+            (
+                MINIMAL_TOOL.replace("\"args.to\"", "\"args.\""),
+                "tools[0].material",
+            ),
+            (
+                MINIMAL_TOOL.replace("http://127", "ftp://127"),
+                "tools[0].executor.url",
+            ),
+            (
+                MINIMAL_TOOL.replace("kind = \"http\"", "kind = \"grpc\""),
+                "tools[0].executor.kind",
+            ),
+            (format!("{MINIMAL_TOOL}{MINIMAL_TOOL}"), "tools[1].name"),
+            (
+                MINIMAL_TOOL.replace("}", ", timeout = \"forever\" }"),
+                "tools[0].executor.timeout",
+            ),
+            (
+                format!("{MINIMAL_TOOL}retry = {{ max_attempts = 0 }}\n"),
+                "tools[0].retry.max_attempts",
+            ),
+            (
+                format!("{MINIMAL_TOOL}verify = {{ url = \"ftp://x\" }}\n"),
+                "tools[0].verify.url",
+            ),
+        ];
+        for (text, field) in cases {
+            let e = err(&text);
+            assert!(e.contains(&format!("`{field}`")), "{text:?} gave {e}");
+        }
+    }
+
+    #[test]
+    fn sql_params_must_match_placeholders() {
+        let text = r#"
+[[tools]]
+name = "ledger"
+class = "dangerous"
+key = ["run_id", "business_id"]
+executor = { kind = "sql", statement = "insert into t values ($1, $2) returning 1", params = ["key"] }
+"#;
+        let e = err(text);
+        assert!(e.contains("tools[0].executor.params"), "{e}");
+        let ok = text.replace("params = [\"key\"]", "params = [\"key\", \"args.amount\"]");
+        let c = Config::from_toml(&ok, no_env).unwrap();
+        match &c.tools[0].executor {
+            Executor::Sql(s) => assert_eq!(s.params.len(), 2),
+            other => panic!("expected sql, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn unverifiable_dangerous_tools_are_gated_unless_opted_out() {
+        let c = Config::from_toml(MINIMAL_TOOL, no_env).unwrap();
+        assert_eq!(c.tools[0].approval, Approval::Required);
+        assert!(!c.tools[0].approval_opted_out);
+        let opted = format!("{MINIMAL_TOOL}approval = \"none\"\n");
+        let c = Config::from_toml(&opted, no_env).unwrap();
+        assert_eq!(c.tools[0].approval, Approval::None);
+        assert!(c.tools[0].approval_opted_out);
+        let verified =
+            format!("{MINIMAL_TOOL}verify = {{ url = \"http://127.0.0.1:1/{{key}}\" }}\n");
+        assert_eq!(
+            Config::from_toml(&verified, no_env).unwrap().tools[0].approval,
+            Approval::None
+        );
+        let honoring = MINIMAL_TOOL.replace("}", ", honors_key = true }");
+        assert_eq!(
+            Config::from_toml(&honoring, no_env).unwrap().tools[0].approval,
+            Approval::None
+        );
+        assert!(Config::from_toml(MINIMAL_TOOL, no_env).unwrap().tools[0].key_too_coarse());
+    }
+
+    #[test]
+    fn gate_settings_are_checked() {
+        let cases = [
+            (
+                format!("{MINIMAL_TOOL}retention = \"12h\"\n"),
+                "tools[0].retention",
+            ),
+            (
+                format!("{MINIMAL_TOOL}retention = \"2d\"\napproval_timeout = \"3d\"\n"),
+                "tools[0].retention",
+            ),
+            (
+                format!("{MINIMAL_TOOL}approval = {{ field = \"args.amount\", above = 100 }}\n"),
+                "tools[0].approval.field",
+            ),
+            (
+                format!("{MINIMAL_TOOL}approval = \"maybe\"\n"),
+                "tools[0].approval",
+            ),
+            (
+                format!("{MINIMAL_TOOL}max_per_run = 0\n"),
+                "tools[0].max_per_run",
+            ),
+        ];
+        for (text, field) in cases {
+            let e = err(&text);
+            assert!(e.contains(&format!("`{field}`")), "{text:?} gave {e}");
+        }
+        let above = format!("{MINIMAL_TOOL}approval = {{ field = \"args.to\", above = 100 }}\n");
+        assert!(matches!(
+            Config::from_toml(&above, no_env).unwrap().tools[0].approval,
+            Approval::Above { .. }
+        ));
+    }
+
+    #[test]
+    fn admin_token_comes_from_the_environment_only() {
+        let c = Config::from_toml("", |k| {
+            (k == ENV_ADMIN_TOKEN).then(|| "0123456789abcdef".to_string())
+        })
+        .unwrap();
+        assert_eq!(c.admin.token.as_deref(), Some("0123456789abcdef"));
+        let short = Config::from_toml("", |k| (k == ENV_ADMIN_TOKEN).then(|| "short".to_string()));
+        assert!(short.unwrap_err().to_string().contains(ENV_ADMIN_TOKEN));
+        assert!(
+            err("[admin]\ntoken = \"x\"\n").contains("token"),
+            "not accepted from the config text"
+        );
+    }
+
+    #[test]
+    fn durations_parse() {
+        assert_eq!(parse_duration("250ms"), Some(Duration::from_millis(250)));
+        assert_eq!(parse_duration("5s"), Some(Duration::from_secs(5)));
+        assert_eq!(parse_duration("2m"), Some(Duration::from_secs(120)));
+        assert_eq!(parse_duration("7d"), Some(Duration::from_secs(7 * 86400)));
+        assert_eq!(parse_duration("5"), None);
+        assert_eq!(parse_duration("s"), None);
+        assert_eq!(parse_duration("1.5s"), None);
+    }
+
+    #[test]
+    fn status_table_defaults_and_overrides() {
+        let t = StatusTable::default();
+        assert_eq!(t.classify(201), StatusClass::Succeeded);
+        assert_eq!(t.classify(400), StatusClass::Failed);
+        assert_eq!(t.classify(404), StatusClass::Failed);
+        assert_eq!(t.classify(409), StatusClass::Retry);
+        assert_eq!(t.classify(429), StatusClass::Retry);
+        assert_eq!(t.classify(503), StatusClass::Retry);
+        assert_eq!(t.classify(500), StatusClass::Unknown);
+        assert_eq!(t.classify(302), StatusClass::Unknown);
+        let text = MINIMAL_TOOL.replace("}", ", status = { failed = [409], retry = [500] } }");
+        let c = Config::from_toml(&text, no_env).unwrap();
+        let Executor::Http(h) = &c.tools[0].executor else {
+            panic!("http")
+        };
+        assert_eq!(h.status.classify(409), StatusClass::Failed);
+        assert_eq!(h.status.classify(500), StatusClass::Retry);
+    }
+
+    /// 503 often comes from a proxy that forwarded the request: for a dangerous tool it is
+    /// "may have happened" unless the downstream dedupes on the key; 429 and 425 stay "nothing
+    /// processed" (the client was refused before any work).
+    #[test]
+    fn unavailable_is_ambiguous_for_a_dangerous_tool_unless_it_honours_the_key() {
+        let status_of = |text: &str, code: u16| {
+            let c = Config::from_toml(text, no_env).unwrap();
+            let Executor::Http(h) = &c.tools[0].executor else {
+                panic!("http")
+            };
+            h.status.classify(code)
+        };
+        let dangerous = MINIMAL_TOOL.replace("}", ", honors_key = false }");
+        assert_eq!(status_of(&dangerous, 503), StatusClass::Unknown);
+        assert_eq!(status_of(&dangerous, 429), StatusClass::Retry);
+        assert_eq!(status_of(&dangerous, 425), StatusClass::Retry);
+        let keyed = MINIMAL_TOOL.replace("}", ", honors_key = true }");
+        assert_eq!(status_of(&keyed, 503), StatusClass::Retry);
+        let idempotent = MINIMAL_TOOL.replace("\"dangerous\"", "\"idempotent\"");
+        assert_eq!(status_of(&idempotent, 503), StatusClass::Retry);
+        // An explicit table entry still wins.
+        let listed = MINIMAL_TOOL.replace("}", ", status = { retry = [503] } }");
+        assert_eq!(status_of(&listed, 503), StatusClass::Retry);
+    }
+
+    #[test]
+    fn example_config_is_valid() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/idem.example.toml");
+        let c = Config::load(&path, no_env).unwrap();
+        assert!(!c.tools.is_empty());
+    }
+}

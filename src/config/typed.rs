@@ -1,0 +1,296 @@
+//! The typed shape every other room reads: validated, with no contradictions left.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use super::*;
+
+/// The validated configuration of one relay.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub kafka: KafkaConfig,
+    pub postgres: PostgresConfig,
+    pub relay: RelayConfig,
+    pub admin: AdminConfig,
+    pub tools: Vec<Tool>,
+}
+
+#[derive(Debug, Clone)]
+pub struct KafkaConfig {
+    /// Bootstrap servers, comma separated.
+    pub brokers: String,
+    /// Consumer group: relays sharing it split the action partitions between them.
+    pub group_id: String,
+    pub actions_topic: String,
+    pub outcomes_topic: String,
+    pub dlq_topic: String,
+    /// Partition count used when the relay creates a missing topic.
+    pub partitions: i32,
+    /// Create missing topics at start (the local broker has auto creation off).
+    pub create_topics: bool,
+    pub consumer_overrides: BTreeMap<String, String>,
+    pub producer_overrides: BTreeMap<String, String>,
+}
+
+#[derive(Debug, Clone)]
+pub struct PostgresConfig {
+    pub url: String,
+    /// Schema holding idem's tables; tests use a fresh one each.
+    pub schema: String,
+    pub pool_size: usize,
+}
+
+#[derive(Debug, Clone)]
+pub struct RelayConfig {
+    /// Names this relay in leases and logs.
+    pub instance_id: String,
+    /// Downstream calls in flight at once, across all tools.
+    pub concurrency: usize,
+    /// Action messages recorded per intent transaction, at most.
+    pub batch_size: usize,
+    /// How long the consumer waits to fill a batch once it has one message.
+    pub batch_linger: Duration,
+    /// Larger action messages are dead-lettered as `oversize`.
+    pub max_message_bytes: usize,
+    /// How long SIGTERM waits for in-flight calls before leaving them to recovery.
+    pub shutdown_grace: Duration,
+    /// How long a claim on an intent lasts without being extended.
+    pub lease: Duration,
+    pub recovery_interval: Duration,
+    /// Fallback when no LISTEN/NOTIFY wake-up arrives.
+    pub outbox_poll_interval: Duration,
+    /// Distinct intents one run may record across all tools.
+    pub max_per_run: Option<u32>,
+    /// How often expired keys are pruned.
+    pub prune_interval: Duration,
+    /// How long a pruned key's tombstone keeps a resumed run from executing it again.
+    pub tombstone_retention: Duration,
+}
+
+#[derive(Debug, Clone)]
+pub struct AdminConfig {
+    pub listen: SocketAddr,
+    /// Bearer token for the endpoints that change state; from `IDEM_ADMIN_TOKEN` or the file
+    /// named by `IDEM_ADMIN_TOKEN_FILE`, never from the config text. None: those endpoints are off.
+    pub token: Option<String>,
+}
+
+pub const ENV_ADMIN_TOKEN: &str = "IDEM_ADMIN_TOKEN";
+pub const ENV_ADMIN_TOKEN_FILE: &str = "IDEM_ADMIN_TOKEN_FILE";
+
+/// When an intent of a tool waits for a person before it executes.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Approval {
+    None,
+    Required,
+    /// Required when a numeric material field is above a threshold.
+    Above {
+        field: FieldPath,
+        threshold: f64,
+    },
+}
+
+/// How a tool's side effect may be repeated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ToolClass {
+    /// Executed on every delivery; nothing deduplicated.
+    ReadOnly,
+    /// Naturally repeatable: recorded, and may be retried blindly.
+    Idempotent,
+    /// Send, create, charge, append: the full protocol; never retried blind.
+    Dangerous,
+}
+
+impl ToolClass {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ToolClass::ReadOnly => "read_only",
+            ToolClass::Idempotent => "idempotent",
+            ToolClass::Dangerous => "dangerous",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "read_only" => Some(ToolClass::ReadOnly),
+            "idempotent" => Some(ToolClass::Idempotent),
+            "dangerous" => Some(ToolClass::Dangerous),
+            _ => None,
+        }
+    }
+}
+
+/// A field of an action event a key or a fingerprint is made of: `run_id`, `tool`, `step`,
+/// `business_id`, or `args.<path>` (dotted, into the args object).
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct FieldPath(pub String);
+
+impl FieldPath {
+    pub(super) fn parse(field: &str, name: &str) -> Result<Self, ConfigError> {
+        let ok = match name {
+            "run_id" | "tool" | "step" | "business_id" => true,
+            _ => name
+                .strip_prefix("args.")
+                .is_some_and(|rest| !rest.is_empty() && rest.split('.').all(|p| !p.is_empty())),
+        };
+        if ok {
+            Ok(FieldPath(name.to_string()))
+        } else {
+            Err(invalid(
+                field,
+                format!(
+                    "`{name}` is not a field of an action: use run_id, tool, step, business_id or args.<name>"
+                ),
+            ))
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct Tool {
+    pub name: String,
+    pub class: ToolClass,
+    /// Fields joined into the idempotency key when the event carries none.
+    pub key: Vec<FieldPath>,
+    /// Fields whose change under the same key is a conflict.
+    pub material: Vec<FieldPath>,
+    pub executor: Executor,
+    pub retry: RetryPolicy,
+    /// Calls of this tool in flight at once (defaults to the relay's concurrency).
+    pub concurrency: usize,
+    /// How to look downstream whether an ambiguous call took effect.
+    pub verify: Option<Verify>,
+    pub approval: Approval,
+    /// The config said `approval = "none"` in so many words.
+    pub approval_opted_out: bool,
+    /// A pending approval older than this is rejected (`approval_timeout`).
+    pub approval_timeout: Duration,
+    /// Distinct intents of this tool one run may record.
+    pub max_per_run: Option<u32>,
+    /// Failed intents per (run, tool, business id) before new ones are rejected.
+    pub max_reattempts: Option<u32>,
+    /// How long a finished key is kept (while its run is not waiting on anything).
+    pub retention: Duration,
+}
+
+impl Tool {
+    /// The downstream dedupes on `Idempotency-Key` (declared by `honors_key = true`).
+    pub fn honors_key(&self) -> bool {
+        matches!(&self.executor, Executor::Http(h) if h.honors_key)
+    }
+
+    /// Its intents may be claimed in the transaction that records them. A claim whose relay
+    /// dies before the call looks like an interrupted call, which costs nothing here: recovery
+    /// verifies a dangerous http call (it has a verify), rolls back a sql effect, or repeats an
+    /// idempotent call. Only a dangerous http tool without verify would be parked `unknown` by
+    /// it, so that one is claimed just before its call instead.
+    pub fn claims_at_record(&self) -> bool {
+        self.class != ToolClass::Dangerous
+            || self.verify.is_some()
+            || matches!(self.executor, Executor::Sql(_))
+    }
+
+    /// A key built only from run, tool, business id and step names no particular effect.
+    pub fn key_too_coarse(&self) -> bool {
+        self.class == ToolClass::Dangerous && self.key.iter().all(|f| !f.0.starts_with("args."))
+    }
+}
+
+/// `GET {url}` with the key: 200 → the effect happened (the body is its result), 404 → it did
+/// not, anything else → inconclusive, asked again with backoff up to `max_attempts` times.
+#[derive(Debug, Clone)]
+pub struct Verify {
+    pub method: reqwest::Method,
+    pub url: String,
+    pub timeout: Duration,
+    pub max_attempts: u32,
+    pub backoff: Duration,
+}
+
+#[derive(Debug, Clone)]
+pub enum Executor {
+    Http(HttpExecutor),
+    Sql(SqlExecutor),
+}
+
+#[derive(Debug, Clone)]
+pub struct HttpExecutor {
+    pub method: reqwest::Method,
+    /// May hold `{key}` and `{args.x}` placeholders, URL-encoded when filled.
+    pub url: String,
+    pub timeout: Duration,
+    pub headers: BTreeMap<String, String>,
+    pub status: StatusTable,
+    /// The downstream dedupes on `Idempotency-Key`, so a repeat cannot double the effect.
+    pub honors_key: bool,
+}
+
+/// What an HTTP status means for the effect.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StatusClass {
+    Succeeded,
+    /// The downstream refused: the effect certainly did not happen; final.
+    Failed,
+    /// Nothing was processed: retry after backoff.
+    Retry,
+    /// The effect may or may not have happened.
+    Unknown,
+}
+
+/// The documented default table, with per-tool overrides.
+#[derive(Debug, Clone, Default)]
+pub struct StatusTable {
+    pub(super) overrides: BTreeMap<u16, StatusClass>,
+    /// A dangerous tool whose downstream does not declare `honors_key`: 503 may come from a
+    /// proxy or gateway after the request was forwarded, so it is not "nothing processed".
+    pub(super) unavailable_is_ambiguous: bool,
+}
+
+impl StatusTable {
+    pub fn classify(&self, status: u16) -> StatusClass {
+        if let Some(class) = self.overrides.get(&status) {
+            return *class;
+        }
+        match status {
+            200..=299 => StatusClass::Succeeded,
+            503 if self.unavailable_is_ambiguous => StatusClass::Unknown,
+            408 | 409 | 425 | 429 | 503 => StatusClass::Retry,
+            400..=499 => StatusClass::Failed,
+            _ => StatusClass::Unknown,
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct SqlExecutor {
+    /// Runs in the outcome transaction; `$1..$n` are `params` in order.
+    pub statement: String,
+    /// `key` or a field path, one per placeholder.
+    pub params: Vec<SqlParam>,
+    /// The statement is cancelled past this (`failed`, SQLSTATE 57014).
+    pub timeout: Duration,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SqlParam {
+    Key,
+    Field(FieldPath),
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct RetryPolicy {
+    pub max_attempts: u32,
+    pub initial_backoff: Duration,
+    pub max_backoff: Duration,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        Self {
+            max_attempts: 3,
+            initial_backoff: Duration::from_millis(100),
+            max_backoff: Duration::from_secs(10),
+        }
+    }
+}

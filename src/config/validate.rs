@@ -1,0 +1,613 @@
+//! Raw shape → typed shape: every check, with an error that names the field at fault.
+
+use std::collections::BTreeSet;
+use std::path::Path;
+use std::time::Duration;
+
+use super::raw::*;
+use super::*;
+
+/// Parses `250ms`, `5s`, `2m`, `1h`, `7d`.
+pub fn parse_duration(s: &str) -> Option<Duration> {
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit())?;
+    let (num, unit) = s.split_at(split);
+    let n: u64 = num.parse().ok()?;
+    let ms = match unit {
+        "ms" => n,
+        "s" => n.checked_mul(1_000)?,
+        "m" => n.checked_mul(60_000)?,
+        "h" => n.checked_mul(3_600_000)?,
+        "d" => n.checked_mul(86_400_000)?,
+        _ => return None,
+    };
+    Some(Duration::from_millis(ms))
+}
+
+fn duration(field: &str, s: &str) -> Result<Duration, ConfigError> {
+    parse_duration(s).ok_or_else(|| {
+        invalid(
+            field,
+            format!("`{s}` is not a duration (use e.g. 250ms, 5s, 2m, 1h)"),
+        )
+    })
+}
+
+fn positive(field: &str, n: usize) -> Result<usize, ConfigError> {
+    if n == 0 {
+        Err(invalid(field, "must be at least 1"))
+    } else {
+        Ok(n)
+    }
+}
+
+fn topic(field: &str, name: &str) -> Result<String, ConfigError> {
+    let valid = !name.is_empty()
+        && name.len() <= 249
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'));
+    if valid {
+        Ok(name.to_string())
+    } else {
+        Err(invalid(
+            field,
+            format!("`{name}` is not a Kafka topic name (1-249 of [a-zA-Z0-9._-])"),
+        ))
+    }
+}
+
+impl Config {
+    /// Reads and validates a config file; `env` supplies the overriding variables.
+    pub fn load(path: &Path, env: impl Fn(&str) -> Option<String>) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.display().to_string(),
+            source,
+        })?;
+        Self::from_toml(&text, env)
+    }
+
+    pub fn from_toml(
+        text: &str,
+        env: impl Fn(&str) -> Option<String>,
+    ) -> Result<Self, ConfigError> {
+        let raw: RawConfig = toml::from_str(text).map_err(|e| ConfigError::Parse(e.to_string()))?;
+        Self::validate(raw, env)
+    }
+
+    fn validate(raw: RawConfig, env: impl Fn(&str) -> Option<String>) -> Result<Self, ConfigError> {
+        let k = raw.kafka;
+        let brokers = env(ENV_KAFKA_BROKERS).unwrap_or(k.brokers);
+        if brokers.trim().is_empty() {
+            return Err(invalid("kafka.brokers", "must name at least one broker"));
+        }
+        if k.group_id.trim().is_empty() {
+            return Err(invalid("kafka.group_id", "must not be empty"));
+        }
+        if k.partitions < 1 {
+            return Err(invalid("kafka.partitions", "must be at least 1"));
+        }
+        let actions_topic = topic("kafka.actions_topic", &k.actions_topic)?;
+        let outcomes_topic = topic("kafka.outcomes_topic", &k.outcomes_topic)?;
+        let dlq_topic = topic("kafka.dlq_topic", &k.dlq_topic)?;
+        if actions_topic == outcomes_topic || actions_topic == dlq_topic {
+            return Err(invalid(
+                "kafka.actions_topic",
+                "must differ from outcomes_topic and dlq_topic, or idem would consume its own output",
+            ));
+        }
+        if outcomes_topic == dlq_topic {
+            return Err(invalid(
+                "kafka.dlq_topic",
+                "must differ from outcomes_topic",
+            ));
+        }
+        for (name, reserved) in [
+            (
+                "consumer",
+                ["enable.auto.offset.store", "group.id"].as_slice(),
+            ),
+            ("producer", ["enable.idempotence", "acks"].as_slice()),
+        ] {
+            let map = if name == "consumer" {
+                &k.consumer
+            } else {
+                &k.producer
+            };
+            if let Some(key) = reserved.iter().find(|r| map.contains_key(**r)) {
+                return Err(invalid(
+                    format!("kafka.{name}.{key}"),
+                    "is set by idem for exactly-once delivery and cannot be overridden",
+                ));
+            }
+        }
+
+        let p = raw.postgres;
+        let url = env(ENV_POSTGRES_URL).unwrap_or(p.url);
+        url.parse::<tokio_postgres::Config>()
+            .map_err(|e| invalid("postgres.url", format!("not a Postgres URL: {e}")))?;
+        let schema_ok = !p.schema.is_empty()
+            && p.schema.len() <= 63
+            && p.schema
+                .starts_with(|c: char| c.is_ascii_lowercase() || c == '_')
+            && p.schema
+                .chars()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
+        if !schema_ok {
+            return Err(invalid(
+                "postgres.schema",
+                "must be a lowercase identifier ([a-z_][a-z0-9_]*, at most 63 bytes)",
+            ));
+        }
+
+        let r = raw.relay;
+        let relay = RelayConfig {
+            instance_id: r.instance_id.unwrap_or_else(default_instance_id),
+            concurrency: positive("relay.concurrency", r.concurrency)?,
+            batch_size: positive("relay.batch_size", r.batch_size)?,
+            batch_linger: duration("relay.batch_linger", &r.batch_linger)?,
+            max_message_bytes: positive("relay.max_message_bytes", r.max_message_bytes)?,
+            shutdown_grace: duration("relay.shutdown_grace", &r.shutdown_grace)?,
+            lease: duration("relay.lease", &r.lease)?,
+            recovery_interval: duration("relay.recovery_interval", &r.recovery_interval)?,
+            outbox_poll_interval: duration("relay.outbox_poll_interval", &r.outbox_poll_interval)?,
+            max_per_run: r.max_per_run,
+            prune_interval: duration("relay.prune_interval", &r.prune_interval)?,
+            tombstone_retention: duration("relay.tombstone_retention", &r.tombstone_retention)?,
+        };
+        if relay.max_per_run == Some(0) {
+            return Err(invalid("relay.max_per_run", "must be at least 1"));
+        }
+        if relay.lease < Duration::from_secs(1) {
+            return Err(invalid("relay.lease", "must be at least 1s"));
+        }
+
+        let listen = raw.admin.listen.parse().map_err(|_| {
+            invalid(
+                "admin.listen",
+                format!("`{}` is not a socket address (host:port)", raw.admin.listen),
+            )
+        })?;
+
+        let mut names = BTreeSet::new();
+        let mut tools = Vec::with_capacity(raw.tools.len());
+        for (i, t) in raw.tools.into_iter().enumerate() {
+            let tool = validate_tool(i, t, relay.concurrency)?;
+            if !names.insert(tool.name.clone()) {
+                return Err(invalid(
+                    format!("tools[{i}].name"),
+                    format!("tool `{}` is defined twice", tool.name),
+                ));
+            }
+            tools.push(tool);
+        }
+
+        Ok(Config {
+            kafka: KafkaConfig {
+                brokers,
+                group_id: k.group_id,
+                actions_topic,
+                outcomes_topic,
+                dlq_topic,
+                partitions: k.partitions,
+                create_topics: k.create_topics,
+                consumer_overrides: k.consumer,
+                producer_overrides: k.producer,
+            },
+            postgres: PostgresConfig {
+                url,
+                schema: p.schema,
+                pool_size: positive("postgres.pool_size", p.pool_size)?,
+            },
+            relay,
+            admin: AdminConfig {
+                listen,
+                token: admin_token(&env)?,
+            },
+            tools,
+        })
+    }
+
+    pub fn tool(&self, name: &str) -> Option<&Tool> {
+        self.tools.iter().find(|t| t.name == name)
+    }
+}
+
+fn admin_token(env: &impl Fn(&str) -> Option<String>) -> Result<Option<String>, ConfigError> {
+    let token = match (env(ENV_ADMIN_TOKEN), env(ENV_ADMIN_TOKEN_FILE)) {
+        (Some(t), _) => t,
+        (None, Some(path)) => std::fs::read_to_string(&path)
+            .map_err(|e| invalid(ENV_ADMIN_TOKEN_FILE, format!("cannot read {path}: {e}")))?
+            .trim()
+            .to_string(),
+        (None, None) => return Ok(None),
+    };
+    if token.len() < 16 {
+        return Err(invalid(ENV_ADMIN_TOKEN, "must be at least 16 characters"));
+    }
+    Ok(Some(token))
+}
+
+fn default_instance_id() -> String {
+    let host = std::fs::read_to_string("/etc/hostname")
+        .map(|h| h.trim().to_string())
+        .unwrap_or_else(|_| "relay".into());
+    format!(
+        "{host}-{}-{}",
+        std::process::id(),
+        &uuid::Uuid::new_v4().simple().to_string()[..8]
+    )
+}
+
+fn validate_tool(i: usize, t: RawTool, relay_concurrency: usize) -> Result<Tool, ConfigError> {
+    let at = |f: &str| format!("tools[{i}].{f}");
+    let name_ok = !t.name.is_empty()
+        && t.name.len() <= 64
+        && t.name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'));
+    if !name_ok {
+        return Err(invalid(
+            at("name"),
+            format!("`{}` must be 1-64 of [a-zA-Z0-9_.-]", t.name),
+        ));
+    }
+    let class = ToolClass::parse(&t.class).ok_or_else(|| {
+        invalid(
+            at("class"),
+            format!(
+                "`{}` is not a class: use read_only, idempotent or dangerous",
+                t.class
+            ),
+        )
+    })?;
+    let key = t
+        .key
+        .iter()
+        .map(|f| FieldPath::parse(&at("key"), f))
+        .collect::<Result<Vec<_>, _>>()?;
+    if key.is_empty() && class != ToolClass::ReadOnly {
+        return Err(invalid(
+            at("key"),
+            "must name at least one field (e.g. [\"run_id\", \"tool\", \"business_id\"]) so a repeat maps to the same key",
+        ));
+    }
+    let material = t
+        .material
+        .iter()
+        .map(|f| FieldPath::parse(&at("material"), f))
+        .collect::<Result<Vec<_>, _>>()?;
+
+    let e = t.executor;
+    let executor = match e.kind.as_str() {
+        "http" => {
+            if e.statement.is_some() || !e.params.is_empty() {
+                return Err(invalid(
+                    at("executor.statement"),
+                    "belongs to kind = \"sql\", not \"http\"",
+                ));
+            }
+            let url = e
+                .url
+                .ok_or_else(|| invalid(at("executor.url"), "is required for kind = \"http\""))?;
+            if !(url.starts_with("http://") || url.starts_with("https://")) {
+                return Err(invalid(
+                    at("executor.url"),
+                    format!("`{url}` must start with http:// or https://"),
+                ));
+            }
+            for placeholder in placeholders(&url) {
+                if placeholder != "key" {
+                    FieldPath::parse(&at("executor.url"), &placeholder)?;
+                }
+            }
+            let method_text = e
+                .method
+                .unwrap_or_else(|| "POST".into())
+                .to_ascii_uppercase();
+            let method = reqwest::Method::from_bytes(method_text.as_bytes()).map_err(|_| {
+                invalid(
+                    at("executor.method"),
+                    format!("`{method_text}` is not an HTTP method"),
+                )
+            })?;
+            let timeout = duration(
+                &at("executor.timeout"),
+                e.timeout.as_deref().unwrap_or("30s"),
+            )?;
+            if timeout.is_zero() {
+                return Err(invalid(at("executor.timeout"), "must be more than 0"));
+            }
+            for (name, value) in &e.headers {
+                if reqwest::header::HeaderName::from_bytes(name.as_bytes()).is_err()
+                    || reqwest::header::HeaderValue::from_str(value).is_err()
+                {
+                    return Err(invalid(
+                        at("executor.headers"),
+                        format!("`{name}` is not a valid header"),
+                    ));
+                }
+                if name.eq_ignore_ascii_case("idempotency-key") {
+                    return Err(invalid(
+                        at("executor.headers"),
+                        "Idempotency-Key is set by idem from the action's key",
+                    ));
+                }
+            }
+            let mut status = StatusTable {
+                unavailable_is_ambiguous: class == ToolClass::Dangerous && !e.honors_key,
+                ..StatusTable::default()
+            };
+            if let Some(table) = e.status {
+                for (codes, class) in [
+                    (table.succeeded, StatusClass::Succeeded),
+                    (table.failed, StatusClass::Failed),
+                    (table.retry, StatusClass::Retry),
+                    (table.unknown, StatusClass::Unknown),
+                ] {
+                    for code in codes {
+                        if !(100..=599).contains(&code) {
+                            return Err(invalid(
+                                at("executor.status"),
+                                format!("{code} is not an HTTP status"),
+                            ));
+                        }
+                        if status.overrides.insert(code, class).is_some() {
+                            return Err(invalid(
+                                at("executor.status"),
+                                format!("status {code} is listed twice"),
+                            ));
+                        }
+                    }
+                }
+            }
+            Executor::Http(HttpExecutor {
+                method,
+                url,
+                timeout,
+                headers: e.headers,
+                status,
+                honors_key: e.honors_key,
+            })
+        }
+        "sql" => {
+            if e.url.is_some() || e.method.is_some() {
+                return Err(invalid(
+                    at("executor.url"),
+                    "belongs to kind = \"http\", not \"sql\"",
+                ));
+            }
+            let statement = e
+                .statement
+                .filter(|s| !s.trim().is_empty())
+                .ok_or_else(|| {
+                    invalid(at("executor.statement"), "is required for kind = \"sql\"")
+                })?;
+            let params = e
+                .params
+                .iter()
+                .map(|p| {
+                    if p == "key" {
+                        Ok(SqlParam::Key)
+                    } else {
+                        FieldPath::parse(&at("executor.params"), p).map(SqlParam::Field)
+                    }
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            let highest = highest_placeholder(&statement);
+            if highest != params.len() {
+                return Err(invalid(
+                    at("executor.params"),
+                    format!(
+                        "names {} parameters but the statement uses ${highest} as its highest placeholder",
+                        params.len()
+                    ),
+                ));
+            }
+            if class == ToolClass::ReadOnly {
+                return Err(invalid(
+                    at("class"),
+                    "a sql executor writes in the outcome transaction: use idempotent or dangerous",
+                ));
+            }
+            // Enforced with `SET LOCAL statement_timeout`, so one slow statement cannot hold a
+            // connection of the relay's pool for longer.
+            let timeout = duration(
+                &at("executor.timeout"),
+                e.timeout.as_deref().unwrap_or("10s"),
+            )?;
+            Executor::Sql(SqlExecutor {
+                statement,
+                params,
+                timeout,
+            })
+        }
+        other => {
+            return Err(invalid(
+                at("executor.kind"),
+                format!("`{other}` is not an executor: use http or sql"),
+            ))
+        }
+    };
+
+    let retry = match t.retry {
+        None => RetryPolicy::default(),
+        Some(r) => {
+            let policy = RetryPolicy {
+                max_attempts: r.max_attempts,
+                initial_backoff: duration(&at("retry.initial_backoff"), &r.initial_backoff)?,
+                max_backoff: duration(&at("retry.max_backoff"), &r.max_backoff)?,
+            };
+            if policy.max_attempts == 0 || policy.max_attempts > 100 {
+                return Err(invalid(
+                    at("retry.max_attempts"),
+                    "must be between 1 and 100",
+                ));
+            }
+            if policy.max_backoff < policy.initial_backoff {
+                return Err(invalid(
+                    at("retry.max_backoff"),
+                    "must not be shorter than initial_backoff",
+                ));
+            }
+            policy
+        }
+    };
+    let concurrency = positive(
+        &at("concurrency"),
+        t.concurrency.unwrap_or(relay_concurrency),
+    )?;
+    let verify = match t.verify {
+        None => None,
+        Some(v) => {
+            if !matches!(executor, Executor::Http(_)) {
+                return Err(invalid(
+                    at("verify"),
+                    "only http tools are verified: a sql effect commits with its record",
+                ));
+            }
+            if !(v.url.starts_with("http://") || v.url.starts_with("https://")) {
+                return Err(invalid(
+                    at("verify.url"),
+                    format!("`{}` must start with http:// or https://", v.url),
+                ));
+            }
+            for placeholder in placeholders(&v.url) {
+                if placeholder != "key" {
+                    FieldPath::parse(&at("verify.url"), &placeholder)?;
+                }
+            }
+            let method_text = v
+                .method
+                .unwrap_or_else(|| "GET".into())
+                .to_ascii_uppercase();
+            let method = reqwest::Method::from_bytes(method_text.as_bytes()).map_err(|_| {
+                invalid(
+                    at("verify.method"),
+                    format!("`{method_text}` is not an HTTP method"),
+                )
+            })?;
+            let max_attempts = v.max_attempts.unwrap_or(5);
+            if max_attempts == 0 || max_attempts > 100 {
+                return Err(invalid(
+                    at("verify.max_attempts"),
+                    "must be between 1 and 100",
+                ));
+            }
+            Some(Verify {
+                method,
+                url: v.url,
+                timeout: duration(&at("verify.timeout"), v.timeout.as_deref().unwrap_or("5s"))?,
+                max_attempts,
+                backoff: duration(
+                    &at("verify.backoff"),
+                    v.backoff.as_deref().unwrap_or("200ms"),
+                )?,
+            })
+        }
+    };
+
+    let (approval, approval_opted_out) = match t.approval {
+        None => {
+            let unverifiable = class == ToolClass::Dangerous
+                && verify.is_none()
+                && matches!(&executor, Executor::Http(h) if !h.honors_key);
+            // Nothing can tell whether a repeat doubled the effect: a person gates it.
+            (if unverifiable { Approval::Required } else { Approval::None }, false)
+        }
+        Some(RawApproval::Word(w)) => match w.as_str() {
+            "required" => (Approval::Required, false),
+            "none" => (Approval::None, true),
+            other => {
+                return Err(invalid(
+                    at("approval"),
+                    format!("`{other}` is not an approval: use \"required\", \"none\" or {{ field = \"args.amount\", above = 100 }}"),
+                ))
+            }
+        },
+        Some(RawApproval::Above { field, above }) => {
+            let field = FieldPath::parse(&at("approval.field"), &field)?;
+            if !material.contains(&field) {
+                return Err(invalid(
+                    at("approval.field"),
+                    format!("`{}` must be one of the tool's material fields, or a reworded request could change it", field.0),
+                ));
+            }
+            (Approval::Above { field, threshold: above }, false)
+        }
+    };
+    let approval_timeout = duration(
+        &at("approval_timeout"),
+        t.approval_timeout.as_deref().unwrap_or("24h"),
+    )?;
+    let retention = duration(&at("retention"), t.retention.as_deref().unwrap_or("7d"))?;
+    if retention < Duration::from_secs(24 * 3600) {
+        return Err(invalid(
+            at("retention"),
+            "must be at least 24h: keys must outlive the longest pause",
+        ));
+    }
+    if retention < approval_timeout {
+        return Err(invalid(
+            at("retention"),
+            format!("is shorter than approval_timeout ({}s): an approved key could be pruned while it waits", approval_timeout.as_secs()),
+        ));
+    }
+    if t.max_per_run == Some(0) {
+        return Err(invalid(at("max_per_run"), "must be at least 1"));
+    }
+    if t.max_reattempts == Some(0) {
+        return Err(invalid(at("max_reattempts"), "must be at least 1"));
+    }
+    Ok(Tool {
+        name: t.name,
+        class,
+        key,
+        material,
+        executor,
+        retry,
+        concurrency,
+        verify,
+        approval,
+        approval_opted_out,
+        approval_timeout,
+        max_per_run: t.max_per_run,
+        max_reattempts: t.max_reattempts,
+        retention,
+    })
+}
+
+/// The `{...}` names in a URL template.
+pub fn placeholders(template: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut rest = template;
+    while let Some(start) = rest.find('{') {
+        let Some(len) = rest[start..].find('}') else {
+            break;
+        };
+        out.push(rest[start + 1..start + len].to_string());
+        rest = &rest[start + len + 1..];
+    }
+    out
+}
+
+fn highest_placeholder(statement: &str) -> usize {
+    let bytes = statement.as_bytes();
+    let mut highest = 0;
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'$' {
+            let digits: String = statement[i + 1..]
+                .chars()
+                .take_while(|c| c.is_ascii_digit())
+                .collect();
+            if let Ok(n) = digits.parse::<usize>() {
+                highest = highest.max(n);
+            }
+            i += 1 + digits.len();
+        } else {
+            i += 1;
+        }
+    }
+    highest
+}
