@@ -9,36 +9,7 @@ use prometheus::{
     Registry, TextEncoder,
 };
 
-/// The layer that caused a repeat.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Origin {
-    First,
-    /// The same Kafka record again (a consumer restart or rebalance before the offset commit).
-    Redelivery,
-    /// The same event id in a new record (the producer retried a send).
-    ProducerRetry,
-    /// A new event id with identical args (an orchestrator retry or a resumed run).
-    Replay,
-    /// A new event id whose non-material args changed (the model reworded its call).
-    ModelRetry,
-    /// Same key, different material args: rejected.
-    Conflict,
-    DeadLetter,
-}
-
-impl Origin {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Origin::First => "first",
-            Origin::Redelivery => "redelivery",
-            Origin::ProducerRetry => "producer_retry",
-            Origin::Replay => "replay",
-            Origin::ModelRetry => "model_retry",
-            Origin::Conflict => "conflict",
-            Origin::DeadLetter => "dead_letter",
-        }
-    }
-}
+use crate::intent::Origin;
 
 pub struct Metrics {
     registry: Registry,

@@ -17,9 +17,10 @@ use crate::action::{self, BadAction};
 use crate::config::Config;
 use crate::db::DbError;
 use crate::execute::Executor;
+use crate::intent::Origin;
 use crate::intent::{Incoming, KeyedAction, Position};
 use crate::kafka::ActionConsumer;
-use crate::metrics::{Metrics, Origin};
+use crate::metrics::Metrics;
 
 mod dead_letter;
 

@@ -7,16 +7,17 @@ use serde_json::{Map, Value};
 use crate::action::key;
 use crate::action::{ActionEvent, PartialAction};
 use crate::config::{Tool, ToolClass};
-use crate::metrics::Origin;
 use crate::outcome::answer::KeyState;
 use crate::outcome::{OutcomeError, OutcomeStatus};
 
 use crate::execute::claim::Claimed;
 use crate::gates::Gates;
 
+pub(crate) mod classify;
 pub(crate) mod record;
 pub(crate) mod sql;
 
+pub use classify::Origin;
 pub use record::record_batch;
 
 /// Where a message was read from.

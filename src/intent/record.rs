@@ -6,16 +6,16 @@ use chrono::{DateTime, Utc};
 use deadpool_postgres::Transaction;
 use serde_json::Value;
 
-use crate::action::key;
 use crate::config::ToolClass;
 use crate::db::DbError;
 use crate::gates::{count_runs, gate_error, Counted};
+use crate::intent::classify::{self, Arrival, Repeat, StoredKey};
 use crate::intent::sql::{
     FAILED_REATTEMPTS, INSERT_DELIVERIES, INSERT_INTENTS, INSERT_INTENTS_OPENING_CALLS,
     OPEN_FIRST_CALLS, REJECT_NEW, SELECT_KEYS_FOR_SHARE, SELECT_SEEN_EVENTS, TOMBSTONED,
 };
+use crate::intent::Origin;
 use crate::intent::{BatchResult, Claimant, Incoming, KeyedAction, Position};
-use crate::metrics::Origin;
 use crate::outcome::answer::{self, KeyState};
 use crate::outcome::{Outcome, OutcomeError, OutcomeStatus};
 use crate::publish::outbox::insert_outbox;
@@ -52,16 +52,6 @@ impl DeliveryRows {
         self.origin.push(origin.as_str());
         self.answered.push(answered);
     }
-}
-
-/// Stored state of an existing key, as the batch sees it.
-struct ExistingKey {
-    id: i64,
-    material: Value,
-    fingerprint: String,
-    args_hash: String,
-    state: KeyState,
-    reportable: bool,
 }
 
 fn parse_error(v: Option<Value>) -> Option<OutcomeError> {
@@ -122,12 +112,11 @@ pub async fn record_batch(
     let mut outbox: Vec<Outcome> = Vec::new();
     // Index of items that still need their key's state, after the insert.
     let mut pending: Vec<(usize, Origin)> = Vec::new();
-    let mut first_of_key: HashMap<&str, usize> = HashMap::new();
     let mut to_insert: Vec<usize> = Vec::new();
 
-    for (i, item) in items.iter().enumerate() {
-        let pos = pos_of(item);
-        if seen_records.contains(&(pos.topic.clone(), pos.partition, pos.offset)) {
+    let arrivals = classify::arrivals(items, &seen_records, seen_events);
+    for (i, (item, arrival)) in items.iter().zip(arrivals).enumerate() {
+        if arrival == Arrival::Redelivery {
             let (tool, key, event_id) = match item {
                 Incoming::Action(a) => (a.tool.clone(), a.key.as_str(), a.event.id.as_str()),
                 Incoming::Rejected { partial, .. } => (
@@ -137,7 +126,7 @@ pub async fn record_batch(
                 ),
             };
             // Logged for explain; never executed or answered again.
-            deliveries.push(None, key, event_id, &pos, Origin::Redelivery, true);
+            deliveries.push(None, key, event_id, &pos_of(item), Origin::Redelivery, true);
             result.origins.push((tool, Origin::Redelivery));
             continue;
         }
@@ -151,19 +140,17 @@ pub async fn record_batch(
                 let key = partial.as_ref().map_or("", |p| p.key.as_str());
                 let event_id = partial.as_ref().map_or("", |p| p.event_id.as_str());
                 deliveries.push(None, key, event_id, pos, Origin::DeadLetter, true);
-                if let Some(p) = partial {
-                    if !seen_events.contains(&p.event_id) {
-                        outbox.push(answer::rejected_input(
-                            &p.key,
-                            &p.run_id,
-                            p.tool.clone(),
-                            p.step,
-                            &p.event_id,
-                            code,
-                            message,
-                            None,
-                        ));
-                    }
+                if let (Some(p), Arrival::DeadLetter { answer: true }) = (partial, arrival) {
+                    outbox.push(answer::rejected_input(
+                        &p.key,
+                        &p.run_id,
+                        p.tool.clone(),
+                        p.step,
+                        &p.event_id,
+                        code,
+                        message,
+                        None,
+                    ));
                 }
                 result.origins.push((
                     partial
@@ -172,26 +159,14 @@ pub async fn record_batch(
                         .unwrap_or_default(),
                     Origin::DeadLetter,
                 ));
-                seen_events.insert(event_id.to_string());
             }
-            Incoming::Action(a) => {
-                if !seen_events.insert(a.event.id.clone()) {
-                    pending.push((i, Origin::ProducerRetry));
-                    continue;
-                }
-                if a.class == ToolClass::ReadOnly {
-                    to_insert.push(i);
-                    continue;
-                }
-                match first_of_key.get(a.key.as_str()) {
-                    None => {
-                        first_of_key.insert(&a.key, i);
-                        to_insert.push(i);
-                    }
-                    // Classified against the stored row below, like any later repeat.
-                    Some(_) => pending.push((i, Origin::Replay)),
-                }
-            }
+            Incoming::Action(_) => match arrival {
+                Arrival::ProducerRetry => pending.push((i, Origin::ProducerRetry)),
+                // Classified against the stored row below, like any later repeat.
+                Arrival::SameKey => pending.push((i, Origin::Replay)),
+                // A candidate (the only other verdict an action gets).
+                _ => to_insert.push(i),
+            },
         }
     }
 
@@ -425,7 +400,7 @@ pub async fn record_batch(
                 Incoming::Rejected { .. } => None,
             })
             .collect();
-        let mut existing: HashMap<String, ExistingKey> = HashMap::new();
+        let mut existing: HashMap<String, StoredKey> = HashMap::new();
         for row in tx
             .query(&tx.prepare_cached(SELECT_KEYS_FOR_SHARE).await?, &[&keys])
             .await?
@@ -446,7 +421,7 @@ pub async fn record_batch(
             };
             existing.insert(
                 state.key.clone(),
-                ExistingKey {
+                StoredKey {
                     id: row.get(0),
                     material: row.get(2),
                     fingerprint: row.get(3),
@@ -460,80 +435,64 @@ pub async fn record_batch(
             let Incoming::Action(a) = &items[i] else {
                 continue;
             };
-            // A producer retry: the first delivery of this event id is answered already. (A
-            // read-only action is here only as one: it is recorded anew on every other delivery.)
-            if hint == Origin::ProducerRetry || a.class == ToolClass::ReadOnly {
-                let intent = existing
-                    .get(&a.key)
-                    .map(|k| k.id)
-                    .filter(|_| a.class != ToolClass::ReadOnly);
-                deliveries.push(
-                    intent,
-                    &a.key,
-                    &a.event.id,
-                    &a.pos,
-                    Origin::ProducerRetry,
-                    true,
-                );
-                result.origins.push((a.tool.clone(), Origin::ProducerRetry));
-                continue;
-            }
-            let Some(k) = existing.get(&a.key) else {
-                if let Some((code, message)) = refused.get(a.key.as_str()) {
-                    let error = gate_error(code, message.clone());
+            let stored = existing.get(&a.key);
+            match classify::repeat(hint, a, stored, refused.get(a.key.as_str())) {
+                Repeat::ProducerRetry { intent } => {
+                    // The first delivery of this event id is answered already.
+                    deliveries.push(
+                        intent,
+                        &a.key,
+                        &a.event.id,
+                        &a.pos,
+                        Origin::ProducerRetry,
+                        true,
+                    );
+                    result.origins.push((a.tool.clone(), Origin::ProducerRetry));
+                }
+                Repeat::Refused { code, message } => {
+                    let error = gate_error(code, message.to_string());
                     let state = a.state(OutcomeStatus::Rejected, Some(error));
                     outbox.push(answer::rejected_gate(&state, a.event.traceparent.clone()));
                     deliveries.push(None, &a.key, &a.event.id, &a.pos, Origin::First, true);
                     result.origins.push((a.tool.clone(), Origin::First));
                     result.rejections.push((a.tool.clone(), code));
-                    continue;
                 }
-                // The key was inserted in this transaction or before it, and nothing deletes
-                // an intent but prune, which keeps a tombstone: if it is gone all the same,
-                // the batch is recorded again from the start rather than leave it unanswered.
-                return Err(DbError::Vanished(a.key.clone()));
-            };
-            if k.fingerprint != a.fingerprint {
-                let fields = key::differing_fields(&k.material, &a.material);
-                deliveries.push(
-                    Some(k.id),
-                    &a.key,
-                    &a.event.id,
-                    &a.pos,
-                    Origin::Conflict,
-                    true,
-                );
-                outbox.push(answer::conflict(
-                    &k.state,
-                    &a.event.id,
-                    a.event.data.step,
-                    fields,
-                    a.event.traceparent.clone(),
-                ));
-                result.origins.push((a.tool.clone(), Origin::Conflict));
-                continue;
+                // Recorded again from the start rather than leave it unanswered.
+                Repeat::Vanished => return Err(DbError::Vanished(a.key.clone())),
+                Repeat::Conflict { stored: k, fields } => {
+                    deliveries.push(
+                        Some(k.id),
+                        &a.key,
+                        &a.event.id,
+                        &a.pos,
+                        Origin::Conflict,
+                        true,
+                    );
+                    outbox.push(answer::conflict(
+                        &k.state,
+                        &a.event.id,
+                        a.event.data.step,
+                        fields,
+                        a.event.traceparent.clone(),
+                    ));
+                    result.origins.push((a.tool.clone(), Origin::Conflict));
+                }
+                Repeat::Duplicate {
+                    stored: k,
+                    origin,
+                    answered,
+                } => {
+                    if answered {
+                        outbox.push(answer::duplicate(
+                            &k.state,
+                            &a.event.id,
+                            a.event.traceparent.clone(),
+                        ));
+                    }
+                    deliveries.push(Some(k.id), &a.key, &a.event.id, &a.pos, origin, answered);
+                    result.origins.push((a.tool.clone(), origin));
+                }
             }
-            let origin = if k.args_hash == a.args_hash {
-                Origin::Replay
-            } else {
-                Origin::ModelRetry
-            };
-            if k.reportable {
-                outbox.push(answer::duplicate(
-                    &k.state,
-                    &a.event.id,
-                    a.event.traceparent.clone(),
-                ));
-            }
-            deliveries.push(
-                Some(k.id),
-                &a.key,
-                &a.event.id,
-                &a.pos,
-                origin,
-                k.reportable,
-            );
-            result.origins.push((a.tool.clone(), origin));
         }
     }
 
