@@ -102,7 +102,7 @@ impl Consume {
         } else {
             (payload, headers)
         };
-        let mut backoff = Duration::from_millis(100);
+        let mut backoff = Backoff::waiting(Duration::from_millis(100));
         let mut tries = 0;
         loop {
             let mut record: FutureRecord<'_, [u8], [u8]> =
@@ -132,9 +132,8 @@ impl Consume {
                     tracing::warn!(error = %e, tries, "cannot write to the dead-letter topic; retrying");
                     tokio::select! {
                         _ = shutdown.cancelled() => return Err(DeadLetterFailed),
-                        _ = tokio::time::sleep(backoff) => {}
+                        _ = tokio::time::sleep(backoff.after_failure()) => {}
                     }
-                    backoff = (backoff * 2).min(Duration::from_secs(5));
                 }
             }
         }

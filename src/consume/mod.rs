@@ -21,6 +21,7 @@ use crate::intent::Origin;
 use crate::intent::{Incoming, KeyedAction, Position};
 use crate::kafka::ActionConsumer;
 use crate::metrics::Metrics;
+use crate::retry::Backoff;
 
 mod dead_letter;
 
@@ -124,7 +125,7 @@ impl Consume {
         }
 
         let channel = crate::publish::outbox::outbox_channel(&self.config.postgres.schema);
-        let mut backoff = Duration::from_millis(50);
+        let mut backoff = Backoff::waiting(Duration::from_millis(50));
         let result = loop {
             match self.record(&items, &channel).await {
                 Ok(r) => {
@@ -153,9 +154,8 @@ impl Consume {
                     RECORD_WAIT.retrying("record", &e);
                     tokio::select! {
                         _ = shutdown.cancelled() => return,
-                        _ = tokio::time::sleep(backoff) => {}
+                        _ = tokio::time::sleep(backoff.after_failure()) => {}
                     }
-                    backoff = (backoff * 2).min(Duration::from_secs(5));
                 }
             }
         };
@@ -212,7 +212,7 @@ impl Consume {
     ) -> Option<crate::intent::BatchResult> {
         let mut all = crate::intent::BatchResult::default();
         for (m, item) in batch.iter().zip(items) {
-            let mut backoff = Duration::from_millis(50);
+            let mut backoff = Backoff::waiting(Duration::from_millis(50));
             let r = loop {
                 match self.record(std::slice::from_ref(item), channel).await {
                     Ok(r) => break Some(r),
@@ -232,8 +232,7 @@ impl Consume {
                     Err(e) => {
                         self.metrics.postgres_unavailable("record");
                         RECORD_WAIT.retrying("record", &e);
-                        tokio::time::sleep(backoff).await;
-                        backoff = (backoff * 2).min(Duration::from_secs(5));
+                        tokio::time::sleep(backoff.after_failure()).await;
                     }
                 }
             };

@@ -1,6 +1,6 @@
 use std::time::{Duration, Instant};
 
-use crate::config::{Executor as ExecutorKind, RetryPolicy, Tool, ToolClass};
+use crate::config::{Executor as ExecutorKind, Tool, ToolClass};
 use crate::execute::http::{self, Attempt, Verified};
 use crate::outcome::OutcomeStatus;
 use crate::outcome::Settled;
@@ -139,15 +139,9 @@ impl Executor {
                         )
                         .await?;
                         crash_point!("verify-backoff");
-                        tokio::time::sleep(backoff(
-                            &RetryPolicy {
-                                max_attempts: v.max_attempts,
-                                initial_backoff: v.backoff,
-                                max_backoff: v.backoff * 16,
-                            },
-                            verifications,
-                            None,
-                        ))
+                        tokio::time::sleep(
+                            Backoff::new(v.backoff, v.backoff * 16).delay(verifications, None),
+                        )
                         .await;
                         seq = self.begin(c, "verify", &why_next(calls)).await?;
                         continue;
@@ -234,7 +228,7 @@ impl Executor {
                             end,
                         ));
                     }
-                    backoff(&tool.retry, calls as u32, *retry_after)
+                    Backoff::of(&tool.retry).delay(calls as u32, *retry_after)
                 }
                 Attempt::NotSent(why) => {
                     if spent {
@@ -244,7 +238,7 @@ impl Executor {
                             end,
                         ));
                     }
-                    backoff(&tool.retry, calls as u32, None)
+                    Backoff::of(&tool.retry).delay(calls as u32, None)
                 }
                 Attempt::Ambiguous { reason: why, .. } => {
                     if tool.class == ToolClass::Dangerous {
@@ -260,7 +254,7 @@ impl Executor {
                     if spent {
                         return Ok((self.unknown(tool, why, calls), end));
                     }
-                    backoff(&tool.retry, calls as u32, None)
+                    Backoff::of(&tool.retry).delay(calls as u32, None)
                 }
             };
             self.metrics.retry(&tool.name, attempt.retry_reason());

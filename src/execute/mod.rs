@@ -23,7 +23,7 @@ use crate::metrics::Metrics;
 use crate::outcome::answer::KeyState;
 use crate::outcome::{Finish, Settled};
 use crate::outcome::{OutcomeError, OutcomeStatus};
-use crate::retry::backoff;
+use crate::retry::Backoff;
 
 pub mod attempt_log;
 mod attempts;
@@ -83,7 +83,7 @@ where
     Fut: std::future::Future<Output = Result<T, ExecError>>,
 {
     static WAIT: db::WaitLog = db::WaitLog::new();
-    let mut backoff = Duration::from_millis(50);
+    let mut backoff = Backoff::waiting(Duration::from_millis(50));
     loop {
         match f().await {
             Ok(v) => return Ok(v),
@@ -97,8 +97,7 @@ where
             }
             Err(e) => return Err(e),
         }
-        tokio::time::sleep(backoff).await;
-        backoff = (backoff * 2).min(Duration::from_secs(5));
+        tokio::time::sleep(backoff.after_failure()).await;
     }
 }
 
