@@ -37,6 +37,19 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
     ),
 ];
 
+/// Lets `?` turn a driver error into a stage's error whose `Db` variant wraps [`DbError`]: the
+/// one conversion, written once.
+macro_rules! from_postgres {
+    ($t:ty) => {
+        impl From<tokio_postgres::Error> for $t {
+            fn from(e: tokio_postgres::Error) -> Self {
+                Self::Db($crate::db::DbError::Postgres(e))
+            }
+        }
+    };
+}
+pub(crate) use from_postgres;
+
 #[derive(Debug, thiserror::Error)]
 pub enum DbError {
     #[error("postgres: {}", describe(.0))]

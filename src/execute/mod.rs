@@ -464,11 +464,7 @@ enum ExecError {
     Batch(BatchError),
 }
 
-impl From<tokio_postgres::Error> for ExecError {
-    fn from(e: tokio_postgres::Error) -> Self {
-        ExecError::Db(DbError::Postgres(e))
-    }
-}
+crate::db::from_postgres!(ExecError);
 
 pub(crate) fn error(code: &str, message: String, retryable: bool) -> OutcomeError {
     OutcomeError {

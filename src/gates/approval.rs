@@ -30,11 +30,7 @@ pub enum DecideError {
     Db(#[from] DbError),
 }
 
-impl From<tokio_postgres::Error> for DecideError {
-    fn from(e: tokio_postgres::Error) -> Self {
-        DecideError::Db(DbError::Postgres(e))
-    }
-}
+crate::db::from_postgres!(DecideError);
 
 const LOCK_FOR_DECISION: &str = "
     select id, status, fingerprint from intents

@@ -21,8 +21,4 @@ pub enum InspectError {
     Db(#[from] DbError),
 }
 
-impl From<tokio_postgres::Error> for InspectError {
-    fn from(e: tokio_postgres::Error) -> Self {
-        InspectError::Db(DbError::Postgres(e))
-    }
-}
+crate::db::from_postgres!(InspectError);

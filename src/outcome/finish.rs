@@ -57,11 +57,7 @@ pub enum FinishError {
     Db(#[from] DbError),
 }
 
-impl From<tokio_postgres::Error> for FinishError {
-    fn from(e: tokio_postgres::Error) -> Self {
-        FinishError::Db(DbError::Postgres(e))
-    }
-}
+crate::db::from_postgres!(FinishError);
 
 /// Records a call's result, its outcome event and the answers to every delivery waiting on
 /// the key, in the caller's transaction, fenced by the claim's epoch.

@@ -35,11 +35,7 @@ pub enum PublishError {
     },
 }
 
-impl From<tokio_postgres::Error> for PublishError {
-    fn from(e: tokio_postgres::Error) -> Self {
-        PublishError::Db(DbError::Postgres(e))
-    }
-}
+crate::db::from_postgres!(PublishError);
 
 pub struct Publisher {
     pub config: Arc<Config>,
