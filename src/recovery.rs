@@ -14,7 +14,8 @@ use tokio_util::sync::CancellationToken;
 use crate::config::{Executor as ExecutorKind, ToolClass};
 use crate::db::DbError;
 use crate::execute::attempt_log;
-use crate::execute::{error, Executor};
+use crate::execute::Executor;
+use crate::outcome::ErrorCode;
 use crate::outcome::{FinishError, Guard, OutcomeStatus, Settled};
 
 /// Intents left behind: recorded but never claimed (a relay died before dispatching them), or
@@ -218,11 +219,10 @@ pub async fn sweep(executor: &Arc<Executor>) -> Result<usize, DbError> {
             let settled = Settled::new(
                 OutcomeStatus::Unknown,
                 None,
-                Some(error(
-                    "outcome_unknown",
-                    "the relay running this call stopped before recording its result".into(),
-                    false,
-                )),
+                Some(
+                    ErrorCode::OutcomeUnknown
+                        .error("the relay running this call stopped before recording its result"),
+                ),
                 0,
             );
             match crate::outcome::finish(&tx, o.id, Guard::Claim(epoch), &settled, None, &x.channel)

@@ -2,6 +2,8 @@
 
 use serde_json::Value;
 
+use crate::outcome::ErrorCode;
+
 use super::{ActionData, ActionEvent, Headers, ACTION_TYPE, MAX_ID_BYTES};
 
 /// Why an action message was dead-lettered: the `idem-dlq-reason` header.
@@ -28,11 +30,11 @@ impl DeadLetterReason {
     }
 
     /// The `error.code` of the rejected outcome sent when the run id and key can be read.
-    pub fn error_code(self) -> &'static str {
+    pub fn error_code(self) -> ErrorCode {
         match self {
-            DeadLetterReason::UnknownTool => "unknown_tool",
-            DeadLetterReason::InvalidKey => "invalid_key",
-            _ => "schema_invalid",
+            DeadLetterReason::UnknownTool => ErrorCode::UnknownTool,
+            DeadLetterReason::InvalidKey => ErrorCode::InvalidKey,
+            _ => ErrorCode::SchemaInvalid,
         }
     }
 }

@@ -21,6 +21,7 @@ use crate::intent::Origin;
 use crate::intent::{Incoming, KeyedAction, Position};
 use crate::kafka::ActionConsumer;
 use crate::metrics::Metrics;
+use crate::outcome::ErrorCode;
 use crate::retry::Backoff;
 
 mod dead_letter;
@@ -116,8 +117,15 @@ impl Consume {
         // that cannot be written (after bounded tries, or at shutdown) rewinds its batch: nothing
         // is recorded and the batch is read again later.
         for (m, item) in batch.iter().zip(&items) {
-            if let Incoming::Rejected { message, code, .. } = item {
-                if self.dead_letter(m, code, message, shutdown).await.is_err() {
+            if let Incoming::Rejected {
+                message, reason, ..
+            } = item
+            {
+                if self
+                    .dead_letter(m, reason.as_str(), message, shutdown)
+                    .await
+                    .is_err()
+                {
                     self.rewind(batch);
                     return;
                 }
@@ -183,7 +191,8 @@ impl Consume {
                 | Origin::ModelRetry => self.metrics.duplicate(tool, *origin),
                 Origin::Conflict => {
                     self.metrics.conflict(tool);
-                    self.metrics.rejection(tool, "key_conflict");
+                    self.metrics
+                        .rejection(tool, ErrorCode::KeyConflict.as_str());
                 }
                 Origin::First | Origin::DeadLetter => {}
             }
@@ -272,7 +281,7 @@ impl Consume {
         let headers = headers_of(m);
         let rejected = |bad: BadAction| Incoming::Rejected {
             pos: pos.clone(),
-            code: bad.reason.as_str(),
+            reason: bad.reason,
             message: bad.detail,
             partial: bad.partial.map(|p| *p),
         };
@@ -306,7 +315,7 @@ impl Consume {
         let Some(tool) = self.config.tool(&event.data.tool) else {
             return Incoming::Rejected {
                 pos,
-                code: action::DeadLetterReason::UnknownTool.as_str(),
+                reason: action::DeadLetterReason::UnknownTool,
                 message: format!("tool {} is not configured", event.data.tool),
                 partial: partial(),
             };
@@ -327,7 +336,7 @@ impl Consume {
                     if key::validate_key(&p.key).is_err() {
                         return Incoming::Rejected {
                             pos,
-                            code: action::DeadLetterReason::InvalidKey.as_str(),
+                            reason: action::DeadLetterReason::InvalidKey,
                             message: e.to_string(),
                             partial: None,
                         };
@@ -335,7 +344,7 @@ impl Consume {
                 }
                 Incoming::Rejected {
                     pos,
-                    code: action::DeadLetterReason::InvalidKey.as_str(),
+                    reason: action::DeadLetterReason::InvalidKey,
                     message: e.to_string(),
                     partial: p,
                 }

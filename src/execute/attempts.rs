@@ -33,7 +33,7 @@ impl Executor {
         Settled::new(
             OutcomeStatus::Unknown,
             None,
-            Some(error("outcome_unknown", why.to_string(), false)),
+            Some(ErrorCode::OutcomeUnknown.error(why.to_string())),
             calls,
         )
     }
@@ -162,11 +162,11 @@ impl Executor {
 
 impl Settled {
     /// The effect certainly did not happen and the retry budget is spent: failed, retryable.
-    pub(super) fn not_done(code: &str, message: String, calls: i32) -> Self {
+    pub(super) fn not_done(code: ErrorCode, message: String, calls: i32) -> Self {
         Settled::new(
             OutcomeStatus::Failed,
             None,
-            Some(error(code, message, true)),
+            Some(code.error(message)),
             calls,
         )
     }

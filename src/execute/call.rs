@@ -90,7 +90,7 @@ impl Executor {
                             // The outcome transaction closes this attempt.
                             return Ok((
                                 Settled::not_done(
-                                    "downstream_unavailable",
+                                    ErrorCode::DownstreamUnavailable,
                                     format!(
                                         "not done after {} attempts (verified)",
                                         c.attempts + calls
@@ -164,7 +164,7 @@ impl Executor {
                     Duration::ZERO,
                 );
                 return Ok((
-                    Settled::not_done("downstream_unavailable", message, calls),
+                    Settled::not_done(ErrorCode::DownstreamUnavailable, message, calls),
                     end,
                 ));
             }
@@ -205,11 +205,10 @@ impl Executor {
                     let settled = Settled::new(
                         OutcomeStatus::Failed,
                         Some(body.clone()),
-                        Some(error(
-                            "downstream_rejected",
-                            format!("the downstream answered {status}"),
-                            false,
-                        )),
+                        Some(
+                            ErrorCode::DownstreamRejected
+                                .error(format!("the downstream answered {status}")),
+                        ),
                         calls,
                     );
                     return Ok((settled, end));
@@ -224,7 +223,7 @@ impl Executor {
                             c.attempts + calls
                         );
                         return Ok((
-                            Settled::not_done("downstream_unavailable", message, calls),
+                            Settled::not_done(ErrorCode::DownstreamUnavailable, message, calls),
                             end,
                         ));
                     }
@@ -234,7 +233,7 @@ impl Executor {
                     if spent {
                         let message = format!("{why} (after {} attempts)", c.attempts + calls);
                         return Ok((
-                            Settled::not_done("downstream_unreachable", message, calls),
+                            Settled::not_done(ErrorCode::DownstreamUnreachable, message, calls),
                             end,
                         ));
                     }

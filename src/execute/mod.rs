@@ -21,8 +21,8 @@ use crate::failpoint::crash_point;
 use crate::group_commit::{BatchError, Batcher};
 use crate::metrics::Metrics;
 use crate::outcome::answer::KeyState;
+use crate::outcome::{ErrorCode, OutcomeStatus};
 use crate::outcome::{Finish, Settled};
-use crate::outcome::{OutcomeError, OutcomeStatus};
 use crate::retry::Backoff;
 
 pub mod attempt_log;
@@ -364,11 +364,10 @@ impl Executor {
             let settled = Settled {
                 status: OutcomeStatus::Rejected,
                 result: None,
-                error: Some(error(
-                    "unknown_tool",
-                    format!("tool {} is no longer configured", claimed.tool),
-                    false,
-                )),
+                error: Some(
+                    ErrorCode::UnknownTool
+                        .error(format!("tool {} is no longer configured", claimed.tool)),
+                ),
                 attempts: 0,
             };
             let end = AttemptEnd::new(
@@ -465,15 +464,6 @@ enum ExecError {
 }
 
 crate::db::from_postgres!(ExecError);
-
-pub(crate) fn error(code: &str, message: String, retryable: bool) -> OutcomeError {
-    OutcomeError {
-        code: code.into(),
-        message,
-        retryable,
-        fields: None,
-    }
-}
 
 fn action_data(c: &Claimed) -> ActionData {
     ActionData {

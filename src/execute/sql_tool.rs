@@ -82,15 +82,11 @@ pub(super) async fn run_sql(
             Settled::new(
                 OutcomeStatus::Failed,
                 None,
-                Some(error(
-                    "downstream_rejected",
-                    format!(
+                Some(ErrorCode::DownstreamRejected.error(format!(
                         "the statement failed with SQLSTATE {state}: {}",
                         e.as_db_error()
                             .map_or_else(|| e.to_string(), |d| d.message().to_string())
-                    ),
-                    false,
-                )),
+                    ))),
                 1,
             )
         }

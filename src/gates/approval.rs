@@ -4,8 +4,8 @@
 use deadpool_postgres::Pool;
 
 use crate::db::DbError;
+use crate::outcome::{ErrorCode, OutcomeStatus};
 use crate::outcome::{FinishError, Guard, Settled};
-use crate::outcome::{OutcomeError, OutcomeStatus};
 
 /// A person's decision on a key waiting for approval.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -99,12 +99,7 @@ pub async fn decide(
             let settled = Settled {
                 status: OutcomeStatus::Rejected,
                 result: None,
-                error: Some(OutcomeError {
-                    code: "approval_denied".into(),
-                    message: format!("{by} denied it: {reason}"),
-                    retryable: false,
-                    fields: None,
-                }),
+                error: Some(ErrorCode::ApprovalDenied.error(format!("{by} denied it: {reason}"))),
                 attempts: 0,
             };
             let channel = crate::publish::outbox::outbox_channel(schema);
@@ -174,12 +169,7 @@ pub async fn expire_approvals(
             let settled = Settled {
                 status: OutcomeStatus::Rejected,
                 result: None,
-                error: Some(OutcomeError {
-                    code: "approval_timeout".into(),
-                    message: reason,
-                    retryable: false,
-                    fields: None,
-                }),
+                error: Some(ErrorCode::ApprovalTimeout.error(reason)),
                 attempts: 0,
             };
             match crate::outcome::finish(

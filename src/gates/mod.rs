@@ -8,7 +8,6 @@ use serde_json::Value;
 use crate::action::key;
 use crate::config::{Tool, ToolClass};
 use crate::db::DbError;
-use crate::outcome::OutcomeError;
 
 mod approval;
 mod retention;
@@ -49,15 +48,6 @@ impl Gates {
             run_cap,
             max_reattempts: tool.max_reattempts,
         }
-    }
-}
-
-pub(crate) fn gate_error(code: &str, message: String) -> OutcomeError {
-    OutcomeError {
-        code: code.to_string(),
-        message,
-        retryable: false,
-        fields: None,
     }
 }
 

@@ -14,7 +14,7 @@ use serde_json::Value;
 
 use crate::action::key;
 use crate::config::ToolClass;
-use crate::outcome::KeyState;
+use crate::outcome::{ErrorCode, KeyState};
 
 use super::{Incoming, KeyedAction};
 
@@ -129,10 +129,7 @@ pub(crate) enum Repeat<'k> {
     /// is the stored key's id (none for a read-only action, which has no one key).
     ProducerRetry { intent: Option<i64> },
     /// The key was refused by a gate earlier in this batch: answered with the same refusal.
-    Refused {
-        code: &'static str,
-        message: &'k str,
-    },
+    Refused { code: ErrorCode, message: &'k str },
     /// No stored key, and no refusal: it was recorded in this transaction or before it, and only
     /// prune deletes intents (leaving a tombstone). The batch is recorded again from the start.
     Vanished,
@@ -157,7 +154,7 @@ pub(crate) fn repeat<'k>(
     hint: Origin,
     action: &KeyedAction,
     stored: Option<&'k StoredKey>,
-    refused: Option<&'k (&'static str, String)>,
+    refused: Option<&'k (ErrorCode, String)>,
 ) -> Repeat<'k> {
     // A read-only action is a repeat only as a producer retry: every other delivery of one is
     // recorded anew.
@@ -169,7 +166,10 @@ pub(crate) fn repeat<'k>(
     }
     let Some(stored) = stored else {
         return match refused {
-            Some((code, message)) => Repeat::Refused { code, message },
+            Some((code, message)) => Repeat::Refused {
+                code: *code,
+                message,
+            },
             None => Repeat::Vanished,
         };
     };
@@ -195,7 +195,7 @@ mod tests {
     use serde_json::{json, Map};
 
     use super::*;
-    use crate::action::{ActionData, ActionEvent, PartialAction};
+    use crate::action::{ActionData, ActionEvent, DeadLetterReason, PartialAction};
     use crate::gates::Gates;
     use crate::intent::Position;
     use crate::outcome::OutcomeStatus;
@@ -262,7 +262,7 @@ mod tests {
                 tool: None,
                 step: None,
             }),
-            code: "schema_invalid",
+            reason: DeadLetterReason::SchemaInvalid,
             message: "bad".into(),
         }
     }
@@ -465,11 +465,11 @@ mod tests {
     #[test]
     fn a_key_without_a_row_is_refused_again_or_else_vanished() {
         let a = action(1, "e2", "k1", "a@x", "hi");
-        let refusal = ("stale_resume", "pruned".to_string());
+        let refusal = (ErrorCode::StaleResume, "pruned".to_string());
         assert!(matches!(
             repeat(Origin::Replay, &a, None, Some(&refusal)),
             Repeat::Refused {
-                code: "stale_resume",
+                code: ErrorCode::StaleResume,
                 message: "pruned"
             }
         ));

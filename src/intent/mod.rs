@@ -5,7 +5,7 @@ use chrono::{DateTime, Utc};
 use serde_json::{Map, Value};
 
 use crate::action::key;
-use crate::action::{ActionEvent, PartialAction};
+use crate::action::{ActionEvent, DeadLetterReason, PartialAction};
 use crate::config::{Tool, ToolClass};
 use crate::outcome::answer::KeyState;
 use crate::outcome::{OutcomeError, OutcomeStatus};
@@ -36,7 +36,7 @@ pub enum Incoming {
     Rejected {
         pos: Position,
         partial: Option<PartialAction>,
-        code: &'static str,
+        reason: DeadLetterReason,
         message: String,
     },
 }

@@ -8,7 +8,7 @@ use serde_json::Value;
 
 use crate::config::ToolClass;
 use crate::db::DbError;
-use crate::gates::{count_runs, gate_error, Counted};
+use crate::gates::{count_runs, Counted};
 use crate::intent::classify::{self, Arrival, Repeat, StoredKey};
 use crate::intent::sql::{
     FAILED_REATTEMPTS, INSERT_DELIVERIES, INSERT_INTENTS, INSERT_INTENTS_OPENING_CALLS,
@@ -17,7 +17,7 @@ use crate::intent::sql::{
 use crate::intent::Origin;
 use crate::intent::{BatchResult, Claimant, Incoming, KeyedAction, Position};
 use crate::outcome::answer::{self, KeyState};
-use crate::outcome::{Outcome, OutcomeError, OutcomeStatus};
+use crate::outcome::{ErrorCode, Outcome, OutcomeError, OutcomeStatus};
 use crate::publish::outbox::insert_outbox;
 
 #[derive(Default)]
@@ -134,7 +134,7 @@ pub async fn record_batch(
             Incoming::Rejected {
                 pos,
                 partial,
-                code,
+                reason,
                 message,
             } => {
                 let key = partial.as_ref().map_or("", |p| p.key.as_str());
@@ -147,7 +147,7 @@ pub async fn record_batch(
                         p.tool.clone(),
                         p.step,
                         &p.event_id,
-                        code,
+                        reason.error_code(),
                         message,
                         None,
                     ));
@@ -178,7 +178,7 @@ pub async fn record_batch(
     };
     // Keys refused here are not recorded: a repeat of one later in this batch gets the same
     // refusal (step 5).
-    let mut refused: HashMap<&str, (&'static str, String)> = HashMap::new();
+    let mut refused: HashMap<&str, (ErrorCode, String)> = HashMap::new();
     if !to_insert.is_empty() {
         let reattempt_keys: Vec<&KeyedAction> = to_insert
             .iter()
@@ -203,7 +203,7 @@ pub async fn record_batch(
         to_insert.retain(|i| {
             let a = action_of(*i);
             let refusal = if stale.contains(&a.key) {
-                Some(("stale_resume", format!(
+                Some((ErrorCode::StaleResume, format!(
                     "key {} belongs to an action finished and pruned after its retention; a resumed run cannot execute it again",
                     a.key
                 )))
@@ -212,7 +212,7 @@ pub async fn record_batch(
                     failed.get(&(a.event.data.run_id.clone(), a.tool.clone(), b.clone()))
                 });
                 match (a.gates.max_reattempts, tried) {
-                    (Some(max), Some(n)) if *n >= i64::from(max) => Some(("reattempts_exceeded", format!(
+                    (Some(max), Some(n)) if *n >= i64::from(max) => Some((ErrorCode::ReattemptsExceeded, format!(
                         "{n} attempts at this {} for {} already failed (the limit is {max}); stop and report instead of trying again",
                         a.tool,
                         a.event.data.business_id.as_deref().unwrap_or("")
@@ -222,11 +222,11 @@ pub async fn record_batch(
             };
             let Some((code, message)) = refusal else { return true };
             refused.insert(a.key.as_str(), (code, message.clone()));
-            let state = a.state(OutcomeStatus::Rejected, Some(gate_error(code, message)));
+            let state = a.state(OutcomeStatus::Rejected, Some(code.error(message)));
             outbox.push(answer::rejected_gate(&state, a.event.traceparent.clone()));
             deliveries.push(None, &a.key, &a.event.id, &a.pos, Origin::First, true);
             result.origins.push((a.tool.clone(), Origin::First));
-            result.rejections.push((a.tool.clone(), code));
+            result.rejections.push((a.tool.clone(), code.as_str()));
             false
         });
     }
@@ -352,7 +352,7 @@ pub async fn record_batch(
         let over = count_runs(tx, &counted).await?;
         for (a, id) in recorded {
             if let Some(message) = over.get(&id) {
-                let error = gate_error("run_limit_exceeded", message.clone());
+                let error = ErrorCode::RunLimitExceeded.error(message.clone());
                 tx.execute(
                     REJECT_NEW,
                     &[&id, &serde_json::to_value(&error).expect("serializes")],
@@ -366,7 +366,7 @@ pub async fn record_batch(
                 ));
                 result
                     .rejections
-                    .push((a.tool.clone(), "run_limit_exceeded"));
+                    .push((a.tool.clone(), ErrorCode::RunLimitExceeded.as_str()));
             } else if parked(a) {
                 let state = a.state(OutcomeStatus::PendingApproval, None);
                 outbox.push(answer::status_change(
@@ -450,12 +450,12 @@ pub async fn record_batch(
                     result.origins.push((a.tool.clone(), Origin::ProducerRetry));
                 }
                 Repeat::Refused { code, message } => {
-                    let error = gate_error(code, message.to_string());
+                    let error = code.error(message);
                     let state = a.state(OutcomeStatus::Rejected, Some(error));
                     outbox.push(answer::rejected_gate(&state, a.event.traceparent.clone()));
                     deliveries.push(None, &a.key, &a.event.id, &a.pos, Origin::First, true);
                     result.origins.push((a.tool.clone(), Origin::First));
-                    result.rejections.push((a.tool.clone(), code));
+                    result.rejections.push((a.tool.clone(), code.as_str()));
                 }
                 // Recorded again from the start rather than leave it unanswered.
                 Repeat::Vanished => return Err(DbError::Vanished(a.key.clone())),

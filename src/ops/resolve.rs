@@ -4,8 +4,8 @@ use deadpool_postgres::Pool;
 use serde_json::json;
 
 use crate::db::DbError;
+use crate::outcome::{ErrorCode, OutcomeStatus};
 use crate::outcome::{FinishError, Guard, Settled};
-use crate::outcome::{OutcomeError, OutcomeStatus};
 
 use super::InspectError;
 
@@ -90,12 +90,9 @@ pub async fn resolve(
         Resolution::Failed => Some(Settled {
             status: OutcomeStatus::Failed,
             result: None,
-            error: Some(OutcomeError {
-                code: "resolved_failed".into(),
-                message: format!("{by} resolved it as not done: {reason}"),
-                retryable: false,
-                fields: None,
-            }),
+            error: Some(
+                ErrorCode::ResolvedFailed.error(format!("{by} resolved it as not done: {reason}")),
+            ),
             attempts: 0,
         }),
         Resolution::Retry => None,

@@ -4,7 +4,7 @@
 use chrono::{DateTime, Utc};
 use serde_json::Value;
 
-use crate::outcome::{outcome_id, Outcome, OutcomeData, OutcomeError, OutcomeStatus};
+use crate::outcome::{outcome_id, ErrorCode, Outcome, OutcomeData, OutcomeError, OutcomeStatus};
 
 /// What is known of a key when an outcome is written.
 #[derive(Debug, Clone)]
@@ -73,15 +73,11 @@ fn first_note(state: &KeyState) -> String {
                 .error
                 .as_ref()
                 .map_or("rejected", |e| e.message.as_str());
-            let next = match state.error.as_ref().map(|e| e.code.as_str()) {
-                Some("run_limit_exceeded") => {
-                    "this run has done all it may with this tool: stop and report"
-                }
-                Some("reattempts_exceeded") => "stop and report to a person",
-                Some("stale_resume") => "do not retry: ask a person whether it is still needed",
-                Some("approval_denied" | "approval_timeout") => "do not retry",
-                _ => "fix the request before sending it again",
-            };
+            let next = state
+                .error
+                .as_ref()
+                .and_then(|e| ErrorCode::parse(&e.code))
+                .map_or(ErrorCode::SchemaInvalid.next_step(), ErrorCode::next_step);
             format!("Rejected: {msg}. Nothing was done; {next}.")
         }
     }
@@ -157,13 +153,11 @@ pub fn conflict(
 ) -> Outcome {
     let list = fields.join(", ");
     let error = OutcomeError {
-        code: "key_conflict".into(),
-        message: format!(
+        fields: Some(fields),
+        ..ErrorCode::KeyConflict.error(format!(
             "key {} was already used for a request with different {list}",
             state.key
-        ),
-        retryable: false,
-        fields: Some(fields),
+        ))
     };
     let note = format!(
         "Rejected: this key was already used with a different {list}; nothing was done. If this is a different action, give it a new business id."
@@ -201,7 +195,7 @@ pub fn rejected_input(
     tool: Option<String>,
     step: Option<i64>,
     action_event_id: &str,
-    code: &str,
+    code: ErrorCode,
     message: &str,
     traceparent: Option<String>,
 ) -> Outcome {
@@ -213,12 +207,7 @@ pub fn rejected_input(
         action_event_id: action_event_id.to_string(),
         status: OutcomeStatus::Rejected,
         result: None,
-        error: Some(OutcomeError {
-            code: code.to_string(),
-            message: message.to_string(),
-            retryable: false,
-            fields: None,
-        }),
+        error: Some(code.error(message)),
         duplicate: false,
         attempts: 0,
         note: format!(

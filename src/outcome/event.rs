@@ -66,6 +66,109 @@ impl OutcomeStatus {
     }
 }
 
+/// Why an action did not succeed: the `error.code` of an outcome event. Each code decides
+/// whether a new request may succeed (`retryable`) and what the agent is told to do next.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorCode {
+    /// Bad input whose run id could be read.
+    SchemaInvalid,
+    UnknownTool,
+    /// The key could not be derived, or is not a usable key.
+    InvalidKey,
+    /// Same key, different material fields.
+    KeyConflict,
+    /// A 4xx, or the SQL statement failed: not done.
+    DownstreamRejected,
+    /// 429/503 on every attempt: not done.
+    DownstreamUnavailable,
+    /// Could not connect on any attempt: not done.
+    DownstreamUnreachable,
+    /// May or may not have happened; parked for verification or a person.
+    OutcomeUnknown,
+    /// A person resolved an unknown key as not done.
+    ResolvedFailed,
+    ApprovalDenied,
+    ApprovalTimeout,
+    RunLimitExceeded,
+    ReattemptsExceeded,
+    /// The key was finished and pruned; a resumed run cannot execute it again.
+    StaleResume,
+}
+
+impl ErrorCode {
+    pub const ALL: [ErrorCode; 14] = [
+        ErrorCode::SchemaInvalid,
+        ErrorCode::UnknownTool,
+        ErrorCode::InvalidKey,
+        ErrorCode::KeyConflict,
+        ErrorCode::DownstreamRejected,
+        ErrorCode::DownstreamUnavailable,
+        ErrorCode::DownstreamUnreachable,
+        ErrorCode::OutcomeUnknown,
+        ErrorCode::ResolvedFailed,
+        ErrorCode::ApprovalDenied,
+        ErrorCode::ApprovalTimeout,
+        ErrorCode::RunLimitExceeded,
+        ErrorCode::ReattemptsExceeded,
+        ErrorCode::StaleResume,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ErrorCode::SchemaInvalid => "schema_invalid",
+            ErrorCode::UnknownTool => "unknown_tool",
+            ErrorCode::InvalidKey => "invalid_key",
+            ErrorCode::KeyConflict => "key_conflict",
+            ErrorCode::DownstreamRejected => "downstream_rejected",
+            ErrorCode::DownstreamUnavailable => "downstream_unavailable",
+            ErrorCode::DownstreamUnreachable => "downstream_unreachable",
+            ErrorCode::OutcomeUnknown => "outcome_unknown",
+            ErrorCode::ResolvedFailed => "resolved_failed",
+            ErrorCode::ApprovalDenied => "approval_denied",
+            ErrorCode::ApprovalTimeout => "approval_timeout",
+            ErrorCode::RunLimitExceeded => "run_limit_exceeded",
+            ErrorCode::ReattemptsExceeded => "reattempts_exceeded",
+            ErrorCode::StaleResume => "stale_resume",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        ErrorCode::ALL.into_iter().find(|c| c.as_str() == s)
+    }
+
+    /// Whether the same request may succeed later: only when nothing was processed because the
+    /// downstream could not take it.
+    pub fn retryable(self) -> bool {
+        matches!(
+            self,
+            ErrorCode::DownstreamUnavailable | ErrorCode::DownstreamUnreachable
+        )
+    }
+
+    /// What a rejected action's note tells the agent to do next.
+    pub fn next_step(self) -> &'static str {
+        match self {
+            ErrorCode::RunLimitExceeded => {
+                "this run has done all it may with this tool: stop and report"
+            }
+            ErrorCode::ReattemptsExceeded => "stop and report to a person",
+            ErrorCode::StaleResume => "do not retry: ask a person whether it is still needed",
+            ErrorCode::ApprovalDenied | ErrorCode::ApprovalTimeout => "do not retry",
+            _ => "fix the request before sending it again",
+        }
+    }
+
+    /// The outcome error of this code.
+    pub fn error(self, message: impl Into<String>) -> OutcomeError {
+        OutcomeError {
+            code: self.as_str().to_string(),
+            message: message.into(),
+            retryable: self.retryable(),
+            fields: None,
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct OutcomeError {
     pub code: String,
@@ -152,6 +255,24 @@ impl Outcome {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_error_code_reads_back_and_only_unavailability_is_retryable() {
+        for c in ErrorCode::ALL {
+            assert_eq!(ErrorCode::parse(c.as_str()), Some(c));
+            assert_eq!(c.error("m").code, c.as_str());
+        }
+        let retryable: Vec<&str> = ErrorCode::ALL
+            .into_iter()
+            .filter(|c| c.retryable())
+            .map(ErrorCode::as_str)
+            .collect();
+        assert_eq!(
+            retryable,
+            ["downstream_unavailable", "downstream_unreachable"]
+        );
+        assert_eq!(ErrorCode::parse("not_json"), None);
+    }
 
     #[test]
     fn outcome_ids_are_stable_and_distinct() {

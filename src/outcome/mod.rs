@@ -6,7 +6,7 @@ pub(crate) mod finish;
 
 pub use answer::KeyState;
 pub use event::{
-    outcome_id, storable_result, Outcome, OutcomeData, OutcomeError, OutcomeStatus, OUTCOME_SOURCE,
-    OUTCOME_TYPE,
+    outcome_id, storable_result, ErrorCode, Outcome, OutcomeData, OutcomeError, OutcomeStatus,
+    OUTCOME_SOURCE, OUTCOME_TYPE,
 };
 pub use finish::{finish, finish_many, Finish, FinishError, Guard, Settled};
