@@ -15,6 +15,7 @@ use crate::config::{Executor as ExecutorKind, ToolClass};
 use crate::db::DbError;
 use crate::execute::attempt_log;
 use crate::execute::Executor;
+use crate::intent::IntentStatus;
 use crate::outcome::ErrorCode;
 use crate::outcome::{FinishError, Guard, OutcomeStatus, Settled};
 
@@ -81,7 +82,7 @@ pub async fn orphans(
         .iter()
         .map(|r| Orphan {
             id: r.get("id"),
-            was_running: r.get::<_, String>("status") == "running",
+            was_running: IntentStatus::parse(r.get("status")) == Some(IntentStatus::Running),
             class: r.get("class"),
             tool: r.get("tool"),
         })
@@ -153,8 +154,6 @@ pub async fn parked_counts(client: &impl GenericClient) -> Result<Vec<(String, i
 
 /// Finds intents left behind by a crash or an expired lease and finishes them. Safe in every
 /// relay at once: rows are locked with SKIP LOCKED.
-/// Finds intents left behind by a crash or an expired lease and finishes them. Safe in every
-/// relay at once: rows are locked with SKIP LOCKED.
 pub async fn run(executor: Arc<Executor>, interval: Duration, shutdown: CancellationToken) {
     loop {
         match sweep(&executor).await {
@@ -178,12 +177,12 @@ pub async fn sweep(executor: &Arc<Executor>) -> Result<usize, DbError> {
     }
     let mut client = x.control.get().await?;
     if let Ok(counts) = parked_counts(&**client).await {
-        for status in ["unknown", "pending_approval"] {
+        for status in IntentStatus::PARKED {
             let n = counts
                 .iter()
-                .find(|(s, _)| s == status)
+                .find(|(s, _)| s == status.as_str())
                 .map_or(0, |(_, n)| *n);
-            x.metrics.parked(status, n);
+            x.metrics.parked(status.as_str(), n);
         }
     }
     let tx = client.transaction().await?;
@@ -230,7 +229,7 @@ pub async fn sweep(executor: &Arc<Executor>) -> Result<usize, DbError> {
             {
                 Ok(_) => {
                     x.metrics.unknown_outcome(&o.tool);
-                    x.metrics.outcome(&o.tool, "unknown");
+                    x.metrics.outcome(&o.tool, OutcomeStatus::Unknown.as_str());
                 }
                 Err(FinishError::Fenced(_)) => {}
                 Err(FinishError::Db(e)) => return Err(e),

@@ -4,6 +4,7 @@
 use deadpool_postgres::Pool;
 
 use crate::db::DbError;
+use crate::intent::IntentStatus;
 use crate::outcome::{ErrorCode, OutcomeStatus};
 use crate::outcome::{FinishError, Guard, Settled};
 
@@ -65,7 +66,7 @@ pub async fn decide(
         return Err(DecideError::NotFound(key.to_string()));
     };
     let (id, status, actual): (i64, String, String) = (row.get(0), row.get(1), row.get(2));
-    if status != "pending_approval" {
+    if IntentStatus::parse(&status) != Some(IntentStatus::PendingApproval) {
         return Err(DecideError::NotPending {
             key: key.to_string(),
             status,
@@ -106,7 +107,7 @@ pub async fn decide(
             match crate::outcome::finish(
                 &tx,
                 id,
-                Guard::Parked("pending_approval"),
+                Guard::Parked(IntentStatus::PendingApproval),
                 &settled,
                 None,
                 &channel,
@@ -175,7 +176,7 @@ pub async fn expire_approvals(
             match crate::outcome::finish(
                 &tx,
                 id,
-                Guard::Parked("pending_approval"),
+                Guard::Parked(IntentStatus::PendingApproval),
                 &settled,
                 None,
                 &channel,

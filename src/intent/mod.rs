@@ -16,9 +16,11 @@ use crate::gates::Gates;
 pub(crate) mod classify;
 pub(crate) mod record;
 pub(crate) mod sql;
+mod status;
 
 pub use classify::Origin;
 pub use record::record_batch;
+pub use status::IntentStatus;
 
 /// Where a message was read from.
 #[derive(Debug, Clone)]

@@ -15,7 +15,7 @@ use crate::intent::sql::{
     OPEN_FIRST_CALLS, REJECT_NEW, SELECT_KEYS_FOR_SHARE, SELECT_SEEN_EVENTS, TOMBSTONED,
 };
 use crate::intent::Origin;
-use crate::intent::{BatchResult, Claimant, Incoming, KeyedAction, Position};
+use crate::intent::{BatchResult, Claimant, Incoming, IntentStatus, KeyedAction, Position};
 use crate::outcome::answer::{self, KeyState};
 use crate::outcome::{ErrorCode, Outcome, OutcomeError, OutcomeStatus};
 use crate::publish::outbox::insert_outbox;
@@ -269,12 +269,13 @@ pub async fn record_batch(
             .iter()
             .map(|a| {
                 if parked(a) {
-                    "pending_approval"
+                    IntentStatus::PendingApproval
                 } else if claims(a) {
-                    "running"
+                    IntentStatus::Running
                 } else {
-                    "pending"
+                    IntentStatus::Pending
                 }
+                .as_str()
             })
             .collect();
         let seqs: Vec<i32> = acts.iter().map(|a| i32::from(parked(a))).collect();
@@ -406,7 +407,7 @@ pub async fn record_batch(
             .await?
         {
             let status: String = row.get(6);
-            let reported = OutcomeStatus::parse(&status);
+            let reported = IntentStatus::parse(&status).and_then(IntentStatus::reported);
             let state = KeyState {
                 key: row.get(1),
                 run_id: row.get(10),

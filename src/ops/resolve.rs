@@ -4,6 +4,7 @@ use deadpool_postgres::Pool;
 use serde_json::json;
 
 use crate::db::DbError;
+use crate::intent::IntentStatus;
 use crate::outcome::{ErrorCode, OutcomeStatus};
 use crate::outcome::{FinishError, Guard, Settled};
 
@@ -73,7 +74,7 @@ pub async fn resolve(
         return Err(InspectError::NotFound(key.to_string()));
     };
     let (id, status): (i64, String) = (row.get(0), row.get(1));
-    if status != "unknown" {
+    if IntentStatus::parse(&status) != Some(IntentStatus::Unknown) {
         return Err(InspectError::NotParked {
             key: key.to_string(),
             status,
@@ -102,7 +103,7 @@ pub async fn resolve(
             match crate::outcome::finish(
                 &tx,
                 id,
-                Guard::Parked("unknown"),
+                Guard::Parked(IntentStatus::Unknown),
                 &settled,
                 None,
                 &channel,

@@ -8,6 +8,7 @@ use serde_json::Value;
 
 use crate::db::DbError;
 use crate::execute::claim::{end_attempt, AttemptEnd};
+use crate::intent::IntentStatus;
 use crate::outcome::answer::{self, KeyState};
 use crate::outcome::{OutcomeError, OutcomeStatus};
 use crate::publish::outbox::insert_outbox;
@@ -39,7 +40,7 @@ pub enum Guard {
     Claim(i64),
     /// The intent is parked with this status (`unknown`, `pending_approval`) and a person
     /// decides it.
-    Parked(&'static str),
+    Parked(IntentStatus),
 }
 
 const ANSWER_WAITING: &str = "
@@ -74,7 +75,7 @@ pub async fn finish(
         .as_ref()
         .map(|e| serde_json::to_value(e).expect("error serializes"));
     let parked = match guard {
-        Guard::Parked(status) => status,
+        Guard::Parked(status) => status.as_str(),
         Guard::Claim(_) => "",
     };
     if let Guard::Claim(epoch) = guard {
@@ -215,8 +216,19 @@ pub async fn finish_many(
         futures::try_join!(tx.prepare_cached(LOCK_MANY), tx.prepare_cached(FINISH_MANY))?;
     let lock_params = [&ids as _];
     let finish_params: [&(dyn tokio_postgres::types::ToSql + Sync); 13] = [
-        &ids, &epochs, &statuses, &results, &errors, &attempts, &"running", &end_ids, &seqs,
-        &classes, &http, &errs, &latencies,
+        &ids,
+        &epochs,
+        &statuses,
+        &results,
+        &errors,
+        &attempts,
+        &IntentStatus::Running.as_str(),
+        &end_ids,
+        &seqs,
+        &classes,
+        &http,
+        &errs,
+        &latencies,
     ];
     // Pipelined: one round trip, executed in order.
     let (_, rows) = futures::try_join!(
