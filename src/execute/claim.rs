@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use serde_json::{Map, Value};
-use tokio_postgres::GenericClient;
+use tokio_postgres::{GenericClient, Row};
 
 use crate::db::DbError;
 
@@ -36,6 +36,35 @@ pub struct Claimed {
     pub reason: String,
     /// The attempt row the claim opened (a call, or a verification when `needs_verify`).
     pub seq: i32,
+}
+
+impl Claimed {
+    /// A row of CLAIM_MANY.
+    fn from_row(row: &Row) -> Self {
+        Claimed {
+            id: row.get("id"),
+            key: row.get("idempotency_key"),
+            tool: row.get("tool"),
+            run_id: row.get("run_id"),
+            step: row.get("step"),
+            business_id: row.get("business_id"),
+            args: match row.get("args") {
+                Value::Object(m) => m,
+                _ => Map::new(),
+            },
+            action_event_id: row.get("action_event_id"),
+            traceparent: row.get("traceparent"),
+            started: row.get("started"),
+            attempts: row.get("attempts"),
+            epoch: row.get("lease_epoch"),
+            needs_verify: row.get("needs_verify"),
+            reason: row.get("next_reason"),
+            since_call: row
+                .get::<_, Option<f64>>("since_call")
+                .map(|s| Duration::from_secs_f64(s.max(0.0))),
+            seq: row.get("seq"),
+        }
+    }
 }
 
 /// How an attempt ended, for the attempt log.
@@ -191,30 +220,7 @@ pub async fn claim_many(
     Ok(rows
         .iter()
         .map(|row| {
-            let args: Value = row.get(6);
-            let c = Claimed {
-                id: row.get(0),
-                key: row.get(1),
-                tool: row.get(2),
-                run_id: row.get(3),
-                step: row.get(4),
-                business_id: row.get(5),
-                args: match args {
-                    Value::Object(m) => m,
-                    _ => Map::new(),
-                },
-                action_event_id: row.get(7),
-                traceparent: row.get(8),
-                started: row.get(9),
-                attempts: row.get(10),
-                epoch: row.get(11),
-                needs_verify: row.get(12),
-                reason: row.get(13),
-                since_call: row
-                    .get::<_, Option<f64>>(14)
-                    .map(|s| Duration::from_secs_f64(s.max(0.0))),
-                seq: row.get(15),
-            };
+            let c = Claimed::from_row(row);
             (c.id, c)
         })
         .collect())

@@ -5,6 +5,7 @@ use std::collections::{HashMap, HashSet};
 use chrono::{DateTime, Utc};
 use deadpool_postgres::Transaction;
 use serde_json::Value;
+use tokio_postgres::Row;
 
 use crate::config::ToolClass;
 use crate::db::DbError;
@@ -56,6 +57,30 @@ impl DeliveryRows {
 
 fn parse_error(v: Option<Value>) -> Option<OutcomeError> {
     v.and_then(|v| serde_json::from_value(v).ok())
+}
+
+/// A row of SELECT_KEYS_FOR_SHARE.
+fn stored_key(row: &Row) -> StoredKey {
+    let reported = IntentStatus::parse(row.get("status")).and_then(IntentStatus::reported);
+    StoredKey {
+        id: row.get("id"),
+        material: row.get("material"),
+        fingerprint: row.get("fingerprint"),
+        args_hash: row.get("args_hash"),
+        reportable: reported.is_some(),
+        state: KeyState {
+            key: row.get("idempotency_key"),
+            run_id: row.get("run_id"),
+            step: row.get("step"),
+            tool: row.get("tool"),
+            status: reported.unwrap_or(OutcomeStatus::Unknown),
+            result: row.get("result"),
+            error: parse_error(row.get("error")),
+            attempts: row.get("attempts"),
+            first_event_id: row.get("action_event_id"),
+            at: row.get("at"),
+        },
+    }
 }
 
 /// Records one batch of consumed messages in a single transaction. Only after it commits may the
@@ -406,31 +431,8 @@ pub async fn record_batch(
             .query(&tx.prepare_cached(SELECT_KEYS_FOR_SHARE).await?, &[&keys])
             .await?
         {
-            let status: String = row.get(6);
-            let reported = IntentStatus::parse(&status).and_then(IntentStatus::reported);
-            let state = KeyState {
-                key: row.get(1),
-                run_id: row.get(10),
-                step: row.get(11),
-                tool: row.get(12),
-                status: reported.unwrap_or(OutcomeStatus::Unknown),
-                result: row.get(7),
-                error: parse_error(row.get(8)),
-                attempts: row.get(9),
-                first_event_id: row.get(5),
-                at: row.get(13),
-            };
-            existing.insert(
-                state.key.clone(),
-                StoredKey {
-                    id: row.get(0),
-                    material: row.get(2),
-                    fingerprint: row.get(3),
-                    args_hash: row.get(4),
-                    reportable: reported.is_some(),
-                    state,
-                },
-            );
+            let stored = stored_key(&row);
+            existing.insert(stored.state.key.clone(), stored);
         }
         for (i, hint) in pending {
             let Incoming::Action(a) = &items[i] else {

@@ -49,7 +49,7 @@ pub(crate) const OPEN_FIRST_CALLS: &str = "
 // statement that locks several intents locks them in id order, so they cannot deadlock.
 pub(crate) const SELECT_KEYS_FOR_SHARE: &str = "
     select id, idempotency_key, material, fingerprint, args_hash, action_event_id, status, result,
-           error, attempts, run_id, step, tool, coalesce(finished_at, updated_at)
+           error, attempts, run_id, step, tool, coalesce(finished_at, updated_at) as at
     from intents
     where idempotency_key = any($1) and class <> 'read_only'
     order by id

@@ -3,8 +3,10 @@
 
 use std::collections::HashMap;
 
+use chrono::{DateTime, Utc};
 use deadpool_postgres::Transaction;
 use serde_json::Value;
+use tokio_postgres::Row;
 
 use crate::db::DbError;
 use crate::execute::claim::{end_attempt, AttemptEnd};
@@ -47,6 +49,52 @@ const ANSWER_WAITING: &str = "
     update deliveries set answered = true
      where intent_id = $1 and not answered
     returning action_event_id";
+
+/// An intent as a finish statement returns it (FINISH_PARKED, FINISH_MANY).
+struct FinishedRow {
+    key: String,
+    run_id: String,
+    step: Option<i64>,
+    tool: String,
+    first_event_id: String,
+    attempts: i32,
+    /// The number of this status change: its outcome event's id is derived from it.
+    status_seq: i32,
+    finished_at: DateTime<Utc>,
+    traceparent: Option<String>,
+}
+
+impl FinishedRow {
+    fn from_row(row: &Row) -> Self {
+        FinishedRow {
+            key: row.get("idempotency_key"),
+            run_id: row.get("run_id"),
+            step: row.get("step"),
+            tool: row.get("tool"),
+            first_event_id: row.get("action_event_id"),
+            attempts: row.get("attempts"),
+            status_seq: row.get("status_seq"),
+            finished_at: row.get("finished_at"),
+            traceparent: row.get("traceparent"),
+        }
+    }
+
+    /// The key's state once `settled` is recorded.
+    fn state(&self, settled: &Settled) -> KeyState {
+        KeyState {
+            key: self.key.clone(),
+            run_id: self.run_id.clone(),
+            step: self.step,
+            tool: self.tool.clone(),
+            status: settled.status,
+            result: settled.result.clone(),
+            error: settled.error.clone(),
+            attempts: self.attempts,
+            first_event_id: self.first_event_id.clone(),
+            at: self.finished_at,
+        }
+    }
+}
 
 /// Why a finish was not recorded.
 #[derive(Debug, thiserror::Error)]
@@ -108,21 +156,14 @@ pub async fn finish(
     if let Some(end) = last_attempt {
         end_attempt(&**tx, id, end).await?;
     }
-    let state = KeyState {
-        key: row.get(0),
-        run_id: row.get(1),
-        step: row.get(2),
-        tool: row.get(3),
-        status: settled.status,
-        result: settled.result.clone(),
-        error: settled.error.clone(),
-        attempts: row.get(5),
-        first_event_id: row.get(4),
-        at: row.get(7),
-    };
-    let seq: i32 = row.get(6);
-    let traceparent: Option<String> = row.get(8);
-    let mut outcomes = vec![answer::status_change(&state, seq, traceparent.clone())];
+    let finished = FinishedRow::from_row(&row);
+    let state = finished.state(settled);
+    let traceparent = finished.traceparent;
+    let mut outcomes = vec![answer::status_change(
+        &state,
+        finished.status_seq,
+        traceparent.clone(),
+    )];
     for row in tx.query(ANSWER_WAITING, &[&id]).await? {
         let event_id: String = row.get(0);
         if event_id != state.first_event_id {
@@ -177,7 +218,7 @@ const FINISH_MANY: &str = "
          where intent_id = any(array(select id from f)) and not answered
         returning intent_id, action_event_id
     )
-    select f.*, (select array_agg(w.action_event_id) from w where w.intent_id = f.id)
+    select f.*, (select array_agg(w.action_event_id) from w where w.intent_id = f.id) as waiting
       from f";
 
 /// Records many calls' results in the caller's transaction: the same as [`finish`] for each,
@@ -239,27 +280,17 @@ pub async fn finish_many(
     let mut finished: HashMap<i64, KeyState> = HashMap::with_capacity(rows.len());
     let mut outcomes = Vec::with_capacity(rows.len());
     for row in &rows {
-        let id: i64 = row.get(0);
+        let id: i64 = row.get("id");
         let f = by_id[&id];
-        let state = KeyState {
-            key: row.get(1),
-            run_id: row.get(2),
-            step: row.get(3),
-            tool: row.get(4),
-            status: f.settled.status,
-            result: f.settled.result.clone(),
-            error: f.settled.error.clone(),
-            attempts: row.get(6),
-            first_event_id: row.get(5),
-            at: row.get(8),
-        };
-        let traceparent: Option<String> = row.get(9);
+        let returned = FinishedRow::from_row(row);
+        let state = returned.state(&f.settled);
+        let traceparent = returned.traceparent;
         outcomes.push(answer::status_change(
             &state,
-            row.get(7),
+            returned.status_seq,
             traceparent.clone(),
         ));
-        let waiting: Option<Vec<String>> = row.get(10);
+        let waiting: Option<Vec<String>> = row.get("waiting");
         for event_id in waiting.unwrap_or_default() {
             if event_id != state.first_event_id {
                 outcomes.push(answer::duplicate(&state, &event_id, traceparent.clone()));

@@ -69,11 +69,11 @@ pub async fn unpublished(tx: &Transaction<'_>, limit: i64) -> Result<Vec<OutboxR
         .await?
         .iter()
         .map(|r| OutboxRow {
-            id: r.get(0),
-            event_id: r.get(1),
-            key: r.get(2),
-            payload: r.get(3),
-            traceparent: r.get(4),
+            id: r.get("id"),
+            event_id: r.get("event_id"),
+            key: r.get("kafka_key"),
+            payload: r.get("payload"),
+            traceparent: r.get("traceparent"),
         })
         .collect())
 }
