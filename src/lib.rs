@@ -27,19 +27,19 @@
 
 pub mod action;
 pub mod config;
-pub mod consume;
+pub(crate) mod consume;
 pub mod db;
 pub mod execute;
-pub mod failpoint;
+pub(crate) mod failpoint;
 pub mod fake_downstream;
 pub mod gates;
-pub mod group_commit;
-pub mod intent;
+pub(crate) mod group_commit;
+pub(crate) mod intent;
 pub mod kafka;
 pub mod metrics;
 pub mod ops;
 pub mod outcome;
-pub mod publish;
-pub mod recovery;
+pub(crate) mod publish;
+pub(crate) mod recovery;
 pub mod relay;
-pub mod retry;
+pub(crate) mod retry;

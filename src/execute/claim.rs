@@ -19,7 +19,6 @@ pub struct Claimed {
     pub step: Option<i64>,
     pub business_id: Option<String>,
     pub args: Map<String, Value>,
-    pub action_event_id: String,
     pub traceparent: Option<String>,
     /// Event time, or when the intent was recorded.
     pub started: DateTime<Utc>,
@@ -52,7 +51,6 @@ impl Claimed {
                 Value::Object(m) => m,
                 _ => Map::new(),
             },
-            action_event_id: row.get("action_event_id"),
             traceparent: row.get("traceparent"),
             started: row.get("started"),
             attempts: row.get("attempts"),
@@ -192,7 +190,7 @@ const CLAIM_MANY: &str = "
           from locked l
          where i.id = l.id and i.status = 'pending'
         returning i.id, i.idempotency_key, i.tool, i.run_id, i.step, i.business_id, i.args,
-                  i.action_event_id, i.traceparent, coalesce(i.event_time, i.created_at) as started,
+                  i.traceparent, coalesce(i.event_time, i.created_at) as started,
                   i.attempts, i.lease_epoch, i.needs_verify, i.next_reason,
                   (select extract(epoch from now() - max(p.started_at))::float8
                      from attempts p where p.intent_id = i.id and p.kind = 'call') as since_call

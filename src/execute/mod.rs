@@ -28,8 +28,8 @@ use crate::retry::Backoff;
 pub mod attempt_log;
 mod attempts;
 mod call;
-pub mod claim;
-pub mod http;
+pub(crate) mod claim;
+pub(crate) mod http;
 mod lease;
 mod sql_tool;
 
@@ -122,7 +122,7 @@ impl Work {
     }
 }
 
-pub struct Executor {
+pub(crate) struct Executor {
     pool: Pool,
     /// A small pool of its own for lease renewal and recovery, so they always get a connection
     /// however busy the data path is.

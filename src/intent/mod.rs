@@ -90,7 +90,6 @@ impl KeyedAction {
             step: d.step,
             business_id: d.business_id.clone(),
             args: d.args.clone(),
-            action_event_id: self.event.id.clone(),
             traceparent: self.event.traceparent.clone(),
             started: self.event_time().unwrap_or_else(Utc::now),
             attempts: 0,

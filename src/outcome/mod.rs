@@ -1,12 +1,12 @@
 //! The outcome stage: what an intent came to, its outbox row, and the answers to every repeat.
 
-pub mod answer;
+pub(crate) mod answer;
 mod event;
 pub(crate) mod finish;
 
-pub use answer::KeyState;
+pub(crate) use answer::KeyState;
 pub use event::{
     outcome_id, storable_result, ErrorCode, Outcome, OutcomeData, OutcomeError, OutcomeStatus,
     OUTCOME_SOURCE, OUTCOME_TYPE,
 };
-pub use finish::{finish, finish_many, Finish, FinishError, Guard, Settled};
+pub(crate) use finish::{finish, finish_many, Finish, FinishError, Guard, Settled};

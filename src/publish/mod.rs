@@ -20,8 +20,6 @@ use crate::metrics::Metrics;
 
 pub mod outbox;
 
-pub use outbox::outbox_channel;
-
 const BATCH: i64 = 1000;
 
 #[derive(Debug, thiserror::Error)]
