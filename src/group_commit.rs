@@ -1,23 +1,23 @@
 //! Group commit: many callers' requests, one transaction. Each caller awaits its own answer;
-//! a few workers keep several batches in flight so commits overlap.
+//! a few workers keep several groups in flight so commits overlap.
 
 use std::future::Future;
 use std::sync::Arc;
 
 use tokio::sync::{mpsc, oneshot, Mutex};
 
-/// A request's failure, shared by every request of the batch it was in.
+/// A request's failure, shared by every request of the group it was committed in.
 #[derive(Debug, Clone, thiserror::Error)]
 #[error("{message}")]
-pub struct BatchError {
+pub struct GroupError {
     /// Retrying may succeed (the database was unreachable, a deadlock).
     pub transient: bool,
     pub message: String,
 }
 
-impl From<&crate::db::DbError> for BatchError {
+impl From<&crate::db::DbError> for GroupError {
     fn from(e: &crate::db::DbError) -> Self {
-        BatchError {
+        GroupError {
             transient: e.is_transient(),
             message: e.to_string(),
         }
@@ -26,13 +26,13 @@ impl From<&crate::db::DbError> for BatchError {
 
 type Item<T, R> = (T, oneshot::Sender<R>);
 
-pub struct Batcher<T, R> {
+pub struct GroupCommit<T, R> {
     tx: mpsc::Sender<Item<T, R>>,
 }
 
-impl<T: Send + 'static, R: Send + 'static> Batcher<T, R> {
+impl<T: Send + 'static, R: Send + 'static> GroupCommit<T, R> {
     /// Starts `workers` tasks, each taking up to `max` waiting requests at a time and handing
-    /// them to `run`, which answers each in order. A batch forms from whatever is waiting: no
+    /// them to `run`, which answers each in order. A group forms from whatever is waiting: no
     /// request waits for others to arrive.
     pub fn spawn<F, Fut>(max: usize, workers: usize, run: F) -> Self
     where
@@ -70,7 +70,7 @@ impl<T: Send + 'static, R: Send + 'static> Batcher<T, R> {
                 }
             });
         }
-        Batcher { tx }
+        GroupCommit { tx }
     }
 
     /// Sends one request and waits for its answer; `None` once the workers are gone.
@@ -86,10 +86,10 @@ mod tests {
     use super::*;
 
     #[tokio::test]
-    async fn each_caller_gets_its_own_answer_and_batches_form() {
+    async fn each_caller_gets_its_own_answer_and_groups_form() {
         let sizes = Arc::new(std::sync::Mutex::new(Vec::new()));
         let seen = sizes.clone();
-        let b = Arc::new(Batcher::spawn(10, 1, move |xs: Vec<u32>| {
+        let b = Arc::new(GroupCommit::spawn(10, 1, move |xs: Vec<u32>| {
             seen.lock().unwrap().push(xs.len());
             async move {
                 tokio::task::yield_now().await;

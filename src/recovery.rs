@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use tokio_util::sync::CancellationToken;
 
-use crate::config::{Executor as ExecutorKind, ToolClass};
+use crate::config::{ExecutorKind, ToolClass};
 use crate::db::DbError;
 use crate::execute::attempt_log;
 use crate::execute::Executor;

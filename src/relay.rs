@@ -9,7 +9,7 @@ use tokio::net::TcpListener;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
-use crate::config::{Config, Executor as ExecutorKind, ToolClass};
+use crate::config::{Config, ExecutorKind, ToolClass};
 use crate::consume::Consume;
 use crate::db;
 use crate::execute::Executor;

@@ -175,7 +175,7 @@ executor = { kind = "sql", statement = "insert into t values ($1, $2) returning 
         let ok = text.replace("params = [\"key\"]", "params = [\"key\", \"args.amount\"]");
         let c = Config::from_toml(&ok, no_env).unwrap();
         match &c.tools[0].executor {
-            Executor::Sql(s) => assert_eq!(s.params.len(), 2),
+            ExecutorKind::Sql(s) => assert_eq!(s.params.len(), 2),
             other => panic!("expected sql, got {other:?}"),
         }
     }
@@ -277,7 +277,7 @@ executor = { kind = "sql", statement = "insert into t values ($1, $2) returning 
         assert_eq!(t.classify(302), StatusClass::Unknown);
         let text = MINIMAL_TOOL.replace("}", ", status = { failed = [409], retry = [500] } }");
         let c = Config::from_toml(&text, no_env).unwrap();
-        let Executor::Http(h) = &c.tools[0].executor else {
+        let ExecutorKind::Http(h) = &c.tools[0].executor else {
             panic!("http")
         };
         assert_eq!(h.status.classify(409), StatusClass::Failed);
@@ -291,7 +291,7 @@ executor = { kind = "sql", statement = "insert into t values ($1, $2) returning 
     fn unavailable_is_ambiguous_for_a_dangerous_tool_unless_it_honours_the_key() {
         let status_of = |text: &str, code: u16| {
             let c = Config::from_toml(text, no_env).unwrap();
-            let Executor::Http(h) = &c.tools[0].executor else {
+            let ExecutorKind::Http(h) = &c.tools[0].executor else {
                 panic!("http")
             };
             h.status.classify(code)

@@ -155,7 +155,7 @@ pub struct Tool {
     pub key: Vec<FieldPath>,
     /// Fields whose change under the same key is a conflict.
     pub material: Vec<FieldPath>,
-    pub executor: Executor,
+    pub executor: ExecutorKind,
     pub retry: RetryPolicy,
     /// Calls of this tool in flight at once (defaults to the relay's concurrency).
     pub concurrency: usize,
@@ -177,7 +177,7 @@ pub struct Tool {
 impl Tool {
     /// The downstream dedupes on `Idempotency-Key` (declared by `honors_key = true`).
     pub fn honors_key(&self) -> bool {
-        matches!(&self.executor, Executor::Http(h) if h.honors_key)
+        matches!(&self.executor, ExecutorKind::Http(h) if h.honors_key)
     }
 
     /// Its intents may be claimed in the transaction that records them. A claim whose relay
@@ -188,7 +188,7 @@ impl Tool {
     pub fn claims_at_record(&self) -> bool {
         self.class != ToolClass::Dangerous
             || self.verify.is_some()
-            || matches!(self.executor, Executor::Sql(_))
+            || matches!(self.executor, ExecutorKind::Sql(_))
     }
 
     /// A key built only from run, tool, business id and step names no particular effect.
@@ -209,7 +209,7 @@ pub struct Verify {
 }
 
 #[derive(Debug, Clone)]
-pub enum Executor {
+pub enum ExecutorKind {
     Http(HttpExecutor),
     Sql(SqlExecutor),
 }

@@ -361,7 +361,7 @@ fn validate_tool(i: usize, t: RawTool, relay_concurrency: usize) -> Result<Tool,
                     }
                 }
             }
-            Executor::Http(HttpExecutor {
+            ExecutorKind::Http(HttpExecutor {
                 method,
                 url,
                 timeout,
@@ -416,7 +416,7 @@ fn validate_tool(i: usize, t: RawTool, relay_concurrency: usize) -> Result<Tool,
                 &at("executor.timeout"),
                 e.timeout.as_deref().unwrap_or("10s"),
             )?;
-            Executor::Sql(SqlExecutor {
+            ExecutorKind::Sql(SqlExecutor {
                 statement,
                 params,
                 timeout,
@@ -460,7 +460,7 @@ fn validate_tool(i: usize, t: RawTool, relay_concurrency: usize) -> Result<Tool,
     let verify = match t.verify {
         None => None,
         Some(v) => {
-            if !matches!(executor, Executor::Http(_)) {
+            if !matches!(executor, ExecutorKind::Http(_)) {
                 return Err(invalid(
                     at("verify"),
                     "only http tools are verified: a sql effect commits with its record",
@@ -511,7 +511,7 @@ fn validate_tool(i: usize, t: RawTool, relay_concurrency: usize) -> Result<Tool,
         None => {
             let unverifiable = class == ToolClass::Dangerous
                 && verify.is_none()
-                && matches!(&executor, Executor::Http(h) if !h.honors_key);
+                && matches!(&executor, ExecutorKind::Http(h) if !h.honors_key);
             // Nothing can tell whether a repeat doubled the effect: a person gates it.
             (if unverifiable { Approval::Required } else { Approval::None }, false)
         }

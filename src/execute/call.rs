@@ -1,6 +1,6 @@
 use std::time::{Duration, Instant};
 
-use crate::config::{Executor as ExecutorKind, Tool, ToolClass};
+use crate::config::{ExecutorKind, Tool, ToolClass};
 use crate::execute::http::{self, Attempt, Verified};
 use crate::outcome::OutcomeStatus;
 use crate::outcome::Settled;

@@ -15,10 +15,10 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 
 use crate::action::ActionData;
-use crate::config::{Config, Executor as ExecutorKind, Tool};
+use crate::config::{Config, ExecutorKind, Tool};
 use crate::db::{self, DbError};
 use crate::failpoint::crash_point;
-use crate::group_commit::{BatchError, Batcher};
+use crate::group_commit::{GroupCommit, GroupError};
 use crate::metrics::Metrics;
 use crate::outcome::answer::KeyState;
 use crate::outcome::{ErrorCode, OutcomeStatus};
@@ -38,23 +38,23 @@ use claim::{AttemptEnd, Claimed};
 /// Intents that may wait for a permit at once; past this the consumer waits.
 const QUEUE_PER_PERMIT: usize = 4;
 /// Claims or outcomes per group-commit transaction, and such transactions in flight at once.
-const BATCH: usize = 256;
-const BATCH_WORKERS: usize = 2;
+const GROUP_MAX: usize = 256;
+const GROUP_WORKERS: usize = 2;
 
-/// One request to a group-commit batcher, its failure as the executor's error.
+/// One request to a group commit, its failure as the executor's error.
 async fn ask<T: Send + 'static, R: Send + 'static>(
-    batcher: &Batcher<T, Result<R, BatchError>>,
+    group: &GroupCommit<T, Result<R, GroupError>>,
     request: T,
 ) -> Result<R, ExecError> {
-    let gone = || BatchError {
+    let gone = || GroupError {
         transient: false,
         message: "executor shut down".into(),
     };
-    batcher
+    group
         .call(request)
         .await
         .unwrap_or_else(|| Err(gone()))
-        .map_err(ExecError::Batch)
+        .map_err(ExecError::Group)
 }
 
 /// Records a group of http outcomes in one transaction.
@@ -91,7 +91,7 @@ where
                 metrics.postgres_unavailable(stage);
                 WAIT.retrying(stage, &e);
             }
-            Err(ExecError::Batch(e)) if e.transient => {
+            Err(ExecError::Group(e)) if e.transient => {
                 metrics.postgres_unavailable(stage);
                 WAIT.retrying(stage, &e.message);
             }
@@ -147,10 +147,10 @@ pub(crate) struct Executor {
     /// Set at shutdown: queued intents are left pending for the next relay instead of starting.
     stopping: std::sync::atomic::AtomicBool,
     /// Group commit of claims and of http outcomes.
-    claims: Batcher<i64, Result<Option<Claimed>, BatchError>>,
-    finishes: Batcher<Finish, Result<Option<KeyState>, BatchError>>,
+    claims: GroupCommit<i64, Result<Option<Claimed>, GroupError>>,
+    finishes: GroupCommit<Finish, Result<Option<KeyState>, GroupError>>,
     /// Group commit of the lease re-checks made before a queued claim's first send.
-    fences: Batcher<crate::execute::claim::Fence, Result<bool, BatchError>>,
+    fences: GroupCommit<crate::execute::claim::Fence, Result<bool, GroupError>>,
     tasks: Mutex<JoinSet<()>>,
 }
 
@@ -176,7 +176,7 @@ impl Executor {
         let channel = crate::publish::outbox::outbox_channel(&config.postgres.schema);
         let claims = {
             let (pool, owner) = (pool.clone(), owner.clone());
-            Batcher::spawn(BATCH, BATCH_WORKERS, move |ids: Vec<i64>| {
+            GroupCommit::spawn(GROUP_MAX, GROUP_WORKERS, move |ids: Vec<i64>| {
                 let (pool, owner) = (pool.clone(), owner.clone());
                 async move {
                     let claimed = async {
@@ -186,16 +186,16 @@ impl Executor {
                     .await;
                     match claimed {
                         Ok(mut map) => ids.iter().map(|id| Ok(map.remove(id))).collect(),
-                        Err(e) => vec![Err(BatchError::from(&e)); ids.len()],
+                        Err(e) => vec![Err(GroupError::from(&e)); ids.len()],
                     }
                 }
             })
         };
         let fences = {
             let pool = pool.clone();
-            Batcher::spawn(
-                BATCH,
-                BATCH_WORKERS,
+            GroupCommit::spawn(
+                GROUP_MAX,
+                GROUP_WORKERS,
                 move |items: Vec<crate::execute::claim::Fence>| {
                     let pool = pool.clone();
                     async move {
@@ -206,7 +206,7 @@ impl Executor {
                         .await;
                         match held {
                             Ok(held) => items.iter().map(|f| Ok(held.contains(&f.id))).collect(),
-                            Err(e) => vec![Err(BatchError::from(&e)); items.len()],
+                            Err(e) => vec![Err(GroupError::from(&e)); items.len()],
                         }
                     }
                 },
@@ -214,7 +214,7 @@ impl Executor {
         };
         let finishes = {
             let (pool, channel) = (pool.clone(), channel.clone());
-            Batcher::spawn(BATCH, BATCH_WORKERS, move |items: Vec<Finish>| {
+            GroupCommit::spawn(GROUP_MAX, GROUP_WORKERS, move |items: Vec<Finish>| {
                 let (pool, channel) = (pool.clone(), channel.clone());
                 async move {
                     match finish_group(&pool, &items, &channel).await {
@@ -228,13 +228,13 @@ impl Executor {
                                         .await
                                     {
                                         Ok(mut states) => Ok(states.pop().flatten()),
-                                        Err(e) => Err(BatchError::from(&e)),
+                                        Err(e) => Err(GroupError::from(&e)),
                                     },
                                 );
                             }
                             answers
                         }
-                        Err(e) => vec![Err(BatchError::from(&e)); items.len()],
+                        Err(e) => vec![Err(GroupError::from(&e)); items.len()],
                     }
                 }
             })
@@ -346,7 +346,7 @@ impl Executor {
         }
     }
 
-    /// Claim (batched with other claims) unless claimed already, call, record (batched with
+    /// Claim (group-committed with other claims) unless claimed already, call, record (group-committed with
     /// other records).
     async fn execute(&self, work: Work, permits: CallPermits) -> Result<(), ExecError> {
         let (claimed, waited) = match work {
@@ -460,7 +460,7 @@ enum ExecError {
     #[error(transparent)]
     Db(#[from] DbError),
     #[error(transparent)]
-    Batch(BatchError),
+    Group(GroupError),
 }
 
 crate::db::from_postgres!(ExecError);

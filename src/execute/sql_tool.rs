@@ -3,7 +3,7 @@ use std::time::Instant;
 use serde_json::{json, Value};
 
 use crate::action::key;
-use crate::config::{Executor as ExecutorKind, SqlParam, Tool};
+use crate::config::{ExecutorKind, SqlParam, Tool};
 use crate::db::{self, DATA_PATH_STATEMENT_TIMEOUT_MS};
 use crate::outcome::OutcomeStatus;
 use crate::outcome::Settled;

@@ -20,7 +20,7 @@ use crate::metrics::Metrics;
 
 pub mod outbox;
 
-const BATCH: i64 = 1000;
+const GROUP_MAX: i64 = 1000;
 
 #[derive(Debug, thiserror::Error)]
 pub enum PublishError {
@@ -55,7 +55,7 @@ impl Publisher {
         let mut last_lag = Instant::now() - Duration::from_secs(10);
         loop {
             let full = match self.publish_once().await {
-                Ok(n) => n as i64 == BATCH,
+                Ok(n) => n as i64 == GROUP_MAX,
                 Err(e) => {
                     tracing::warn!(error = %e, "outbox publish failed; will retry");
                     false
@@ -102,7 +102,7 @@ impl Publisher {
     pub async fn publish_once(&self) -> Result<usize, PublishError> {
         let mut client = self.pool.get().await.map_err(DbError::from)?;
         let tx = client.transaction().await?;
-        let rows = crate::publish::outbox::unpublished(&tx, BATCH).await?;
+        let rows = crate::publish::outbox::unpublished(&tx, GROUP_MAX).await?;
         if rows.is_empty() {
             return Ok(0);
         }
