@@ -9,21 +9,45 @@
 //!
 //! # Layout
 //!
-//! The modules follow the data's way through the relay:
+//! One room per stage, in the order an action goes through them:
 //!
-//! | stage | module | what happens |
-//! |---|---|---|
-//! | consume | [`consume`] | batches of action messages; bad ones to the dead-letter topic |
-//! | decode | [`event`], [`key`] | CloudEvents in, key and fingerprints derived |
-//! | record intent | [`store`] | one transaction per batch; offsets stored only after it commits |
-//! | execute | [`execute`], [`http`] | claim with a lease, call, retry only what certainly did not happen |
-//! | record outcome | [`store`], [`answer`] | outcome + outbox rows + answers to waiting repeats, fenced by epoch |
-//! | publish | [`publish`] | outbox → outcomes topic, idempotent producer, LISTEN/NOTIFY wake-ups |
+//! | room | what happens there |
+//! |---|---|
+//! | [`action`] | the contract in: decode CloudEvents, field paths, key derivation, fingerprints |
+//! | `consume` | the batch loop and its offsets (stored only after the intents commit); dead letters |
+//! | `intent` | record a batch in one transaction; `classify` (pure) sorts first sights from each kind of repeat |
+//! | [`gates`] | approval, per-run limits, reattempts, retention and tombstones |
+//! | [`execute`] | queue and permits, claim, the http call and its verification, sql tools, leases, the attempt log's rule |
+//! | [`outcome`] | the contract out: finish (group-committed, fenced by epoch), answers and notes, [`outcome::ErrorCode`] |
+//! | `publish` | outbox rows, LISTEN/NOTIFY wake-ups, the idempotent publisher |
+//! | `recovery` | the sweep: lapsed claims and stale intents handed on as the attempt log decides |
+//! | [`ops`] | what people do: `explain`, `resolve`, the admin API (CLI and HTTP call the same functions) |
+//! | [`config`] | raw TOML shape, typed shape, validation naming the field at fault |
+//! | [`relay`] | wiring, background loops and the shutdown order |
 //!
-//! Around them: [`config`] (TOML → typed config), [`db`] (pool, migrations, SQLSTATEs),
-//! [`kafka`] (client settings, topics, lag), [`metrics`], [`admin`] (`/metrics`, `/readyz`),
-//! [`relay`] (wiring and shutdown), [`inspect`] (`explain` and `resolve` for people) and
-//! [`fake_downstream`] (a downstream that counts effects).
+//! Shared by them: [`db`] (pools, migrations, SQLSTATE classes), [`kafka`] (clients, topics,
+//! readiness, lag), `retry` (the one backoff), `group_commit` (many requests, one
+//! transaction), `failpoint` (crash points for the crash tests), [`metrics`], and
+//! [`fake_downstream`] (a downstream that counts effects, for tests and the demo).
+//!
+//! # Glossary
+//!
+//! One word per concept, used the same way in code, logs, metrics and the README:
+//!
+//! - **action**: an agent's request to run one tool once, as a Kafka message.
+//! - **delivery**: one Kafka record of an action; repeats are deliveries of the same key.
+//! - **batch**: the messages the consumer records in one transaction (and nothing else).
+//! - **intent**: the row an action's key records, unique per idempotency key.
+//! - **claim**: the right to run an intent now: `pending → running` with a new lease epoch.
+//! - **lease**: how long a claim holds without renewal; the **epoch** fences late writes.
+//! - **attempt**: one try at the effect (`call`) or at finding out whether it happened
+//!   (`verify`), in the attempt log; the log alone decides what the next claim does.
+//! - **outcome**: what an intent came to (`succeeded`, `failed`, `unknown`, `pending_approval`,
+//!   `rejected`) and the event that says so.
+//! - **answer**: an outcome event sent for one delivery (the first, or a duplicate's).
+//! - **outbox**: outcome events written with the change they announce, published from there.
+//! - **group commit**: many claims or finishes in one transaction (not to be confused with a
+//!   batch).
 
 pub mod action;
 pub mod config;
