@@ -278,150 +278,9 @@ fn validate_tool(i: usize, t: RawTool, relay_concurrency: usize) -> Result<Tool,
         .map(|f| FieldPath::parse(&at("material"), f))
         .collect::<Result<Vec<_>, _>>()?;
 
-    let e = t.executor;
-    let executor = match e.kind.as_str() {
-        "http" => {
-            if e.statement.is_some() || !e.params.is_empty() {
-                return Err(invalid(
-                    at("executor.statement"),
-                    "belongs to kind = \"sql\", not \"http\"",
-                ));
-            }
-            let url = e
-                .url
-                .ok_or_else(|| invalid(at("executor.url"), "is required for kind = \"http\""))?;
-            if !(url.starts_with("http://") || url.starts_with("https://")) {
-                return Err(invalid(
-                    at("executor.url"),
-                    format!("`{url}` must start with http:// or https://"),
-                ));
-            }
-            for placeholder in placeholders(&url) {
-                if placeholder != "key" {
-                    FieldPath::parse(&at("executor.url"), &placeholder)?;
-                }
-            }
-            let method_text = e
-                .method
-                .unwrap_or_else(|| "POST".into())
-                .to_ascii_uppercase();
-            let method = reqwest::Method::from_bytes(method_text.as_bytes()).map_err(|_| {
-                invalid(
-                    at("executor.method"),
-                    format!("`{method_text}` is not an HTTP method"),
-                )
-            })?;
-            let timeout = duration(
-                &at("executor.timeout"),
-                e.timeout.as_deref().unwrap_or("30s"),
-            )?;
-            if timeout.is_zero() {
-                return Err(invalid(at("executor.timeout"), "must be more than 0"));
-            }
-            for (name, value) in &e.headers {
-                if reqwest::header::HeaderName::from_bytes(name.as_bytes()).is_err()
-                    || reqwest::header::HeaderValue::from_str(value).is_err()
-                {
-                    return Err(invalid(
-                        at("executor.headers"),
-                        format!("`{name}` is not a valid header"),
-                    ));
-                }
-                if name.eq_ignore_ascii_case("idempotency-key") {
-                    return Err(invalid(
-                        at("executor.headers"),
-                        "Idempotency-Key is set by idem from the action's key",
-                    ));
-                }
-            }
-            let mut status = StatusTable {
-                unavailable_is_ambiguous: class == ToolClass::Dangerous && !e.honors_key,
-                ..StatusTable::default()
-            };
-            if let Some(table) = e.status {
-                for (codes, class) in [
-                    (table.succeeded, StatusClass::Succeeded),
-                    (table.failed, StatusClass::Failed),
-                    (table.retry, StatusClass::Retry),
-                    (table.unknown, StatusClass::Unknown),
-                ] {
-                    for code in codes {
-                        if !(100..=599).contains(&code) {
-                            return Err(invalid(
-                                at("executor.status"),
-                                format!("{code} is not an HTTP status"),
-                            ));
-                        }
-                        if status.overrides.insert(code, class).is_some() {
-                            return Err(invalid(
-                                at("executor.status"),
-                                format!("status {code} is listed twice"),
-                            ));
-                        }
-                    }
-                }
-            }
-            ExecutorKind::Http(HttpExecutor {
-                method,
-                url,
-                timeout,
-                headers: e.headers,
-                status,
-                honors_key: e.honors_key,
-            })
-        }
-        "sql" => {
-            if e.url.is_some() || e.method.is_some() {
-                return Err(invalid(
-                    at("executor.url"),
-                    "belongs to kind = \"http\", not \"sql\"",
-                ));
-            }
-            let statement = e
-                .statement
-                .filter(|s| !s.trim().is_empty())
-                .ok_or_else(|| {
-                    invalid(at("executor.statement"), "is required for kind = \"sql\"")
-                })?;
-            let params = e
-                .params
-                .iter()
-                .map(|p| {
-                    if p == "key" {
-                        Ok(SqlParam::Key)
-                    } else {
-                        FieldPath::parse(&at("executor.params"), p).map(SqlParam::Field)
-                    }
-                })
-                .collect::<Result<Vec<_>, _>>()?;
-            let highest = highest_placeholder(&statement);
-            if highest != params.len() {
-                return Err(invalid(
-                    at("executor.params"),
-                    format!(
-                        "names {} parameters but the statement uses ${highest} as its highest placeholder",
-                        params.len()
-                    ),
-                ));
-            }
-            if class == ToolClass::ReadOnly {
-                return Err(invalid(
-                    at("class"),
-                    "a sql executor writes in the outcome transaction: use idempotent or dangerous",
-                ));
-            }
-            // Enforced with `SET LOCAL statement_timeout`, so one slow statement cannot hold a
-            // connection of the relay's pool for longer.
-            let timeout = duration(
-                &at("executor.timeout"),
-                e.timeout.as_deref().unwrap_or("10s"),
-            )?;
-            ExecutorKind::Sql(SqlExecutor {
-                statement,
-                params,
-                timeout,
-            })
-        }
+    let executor = match t.executor.kind.as_str() {
+        "http" => http_executor(&at, t.executor, class)?,
+        "sql" => sql_executor(&at, t.executor, class)?,
         other => {
             return Err(invalid(
                 at("executor.kind"),
@@ -432,26 +291,7 @@ fn validate_tool(i: usize, t: RawTool, relay_concurrency: usize) -> Result<Tool,
 
     let retry = match t.retry {
         None => RetryPolicy::default(),
-        Some(r) => {
-            let policy = RetryPolicy {
-                max_attempts: r.max_attempts,
-                initial_backoff: duration(&at("retry.initial_backoff"), &r.initial_backoff)?,
-                max_backoff: duration(&at("retry.max_backoff"), &r.max_backoff)?,
-            };
-            if policy.max_attempts == 0 || policy.max_attempts > 100 {
-                return Err(invalid(
-                    at("retry.max_attempts"),
-                    "must be between 1 and 100",
-                ));
-            }
-            if policy.max_backoff < policy.initial_backoff {
-                return Err(invalid(
-                    at("retry.max_backoff"),
-                    "must not be shorter than initial_backoff",
-                ));
-            }
-            policy
-        }
+        Some(r) => retry_policy(&at, r)?,
     };
     let concurrency = positive(
         &at("concurrency"),
@@ -459,83 +299,17 @@ fn validate_tool(i: usize, t: RawTool, relay_concurrency: usize) -> Result<Tool,
     )?;
     let verify = match t.verify {
         None => None,
-        Some(v) => {
-            if !matches!(executor, ExecutorKind::Http(_)) {
-                return Err(invalid(
-                    at("verify"),
-                    "only http tools are verified: a sql effect commits with its record",
-                ));
-            }
-            if !(v.url.starts_with("http://") || v.url.starts_with("https://")) {
-                return Err(invalid(
-                    at("verify.url"),
-                    format!("`{}` must start with http:// or https://", v.url),
-                ));
-            }
-            for placeholder in placeholders(&v.url) {
-                if placeholder != "key" {
-                    FieldPath::parse(&at("verify.url"), &placeholder)?;
-                }
-            }
-            let method_text = v
-                .method
-                .unwrap_or_else(|| "GET".into())
-                .to_ascii_uppercase();
-            let method = reqwest::Method::from_bytes(method_text.as_bytes()).map_err(|_| {
-                invalid(
-                    at("verify.method"),
-                    format!("`{method_text}` is not an HTTP method"),
-                )
-            })?;
-            let max_attempts = v.max_attempts.unwrap_or(5);
-            if max_attempts == 0 || max_attempts > 100 {
-                return Err(invalid(
-                    at("verify.max_attempts"),
-                    "must be between 1 and 100",
-                ));
-            }
-            Some(Verify {
-                method,
-                url: v.url,
-                timeout: duration(&at("verify.timeout"), v.timeout.as_deref().unwrap_or("5s"))?,
-                max_attempts,
-                backoff: duration(
-                    &at("verify.backoff"),
-                    v.backoff.as_deref().unwrap_or("200ms"),
-                )?,
-            })
-        }
+        Some(v) => Some(verify_section(&at, v, &executor)?),
     };
 
-    let (approval, approval_opted_out) = match t.approval {
-        None => {
-            let unverifiable = class == ToolClass::Dangerous
-                && verify.is_none()
-                && matches!(&executor, ExecutorKind::Http(h) if !h.honors_key);
-            // Nothing can tell whether a repeat doubled the effect: a person gates it.
-            (if unverifiable { Approval::Required } else { Approval::None }, false)
-        }
-        Some(RawApproval::Word(w)) => match w.as_str() {
-            "required" => (Approval::Required, false),
-            "none" => (Approval::None, true),
-            other => {
-                return Err(invalid(
-                    at("approval"),
-                    format!("`{other}` is not an approval: use \"required\", \"none\" or {{ field = \"args.amount\", above = 100 }}"),
-                ))
-            }
-        },
-        Some(RawApproval::Above { field, above }) => {
-            let field = FieldPath::parse(&at("approval.field"), &field)?;
-            if !material.contains(&field) {
-                return Err(invalid(
-                    at("approval.field"),
-                    format!("`{}` must be one of the tool's material fields, or a reworded request could change it", field.0),
-                ));
-            }
-            (Approval::Above { field, threshold: above }, false)
-        }
-    };
+    let (approval, approval_opted_out) = approval_section(
+        &at,
+        t.approval,
+        class,
+        verify.as_ref(),
+        &executor,
+        &material,
+    )?;
     let approval_timeout = duration(
         &at("approval_timeout"),
         t.approval_timeout.as_deref().unwrap_or("24h"),
@@ -577,6 +351,262 @@ fn validate_tool(i: usize, t: RawTool, relay_concurrency: usize) -> Result<Tool,
     })
 }
 
+/// A tool's `executor` of kind `http`.
+fn http_executor(
+    at: &impl Fn(&str) -> String,
+    e: RawExecutor,
+    class: ToolClass,
+) -> Result<ExecutorKind, ConfigError> {
+    if e.statement.is_some() || !e.params.is_empty() {
+        return Err(invalid(
+            at("executor.statement"),
+            "belongs to kind = \"sql\", not \"http\"",
+        ));
+    }
+    let url = e
+        .url
+        .ok_or_else(|| invalid(at("executor.url"), "is required for kind = \"http\""))?;
+    url_template(&at("executor.url"), &url)?;
+    let method = http_method(&at("executor.method"), e.method, "POST")?;
+    let timeout = duration(
+        &at("executor.timeout"),
+        e.timeout.as_deref().unwrap_or("30s"),
+    )?;
+    if timeout.is_zero() {
+        return Err(invalid(at("executor.timeout"), "must be more than 0"));
+    }
+    for (name, value) in &e.headers {
+        if reqwest::header::HeaderName::from_bytes(name.as_bytes()).is_err()
+            || reqwest::header::HeaderValue::from_str(value).is_err()
+        {
+            return Err(invalid(
+                at("executor.headers"),
+                format!("`{name}` is not a valid header"),
+            ));
+        }
+        if name.eq_ignore_ascii_case("idempotency-key") {
+            return Err(invalid(
+                at("executor.headers"),
+                "Idempotency-Key is set by idem from the action's key",
+            ));
+        }
+    }
+    let mut status = StatusTable {
+        unavailable_is_ambiguous: class == ToolClass::Dangerous && !e.honors_key,
+        ..StatusTable::default()
+    };
+    if let Some(table) = e.status {
+        for (codes, class) in [
+            (table.succeeded, StatusClass::Succeeded),
+            (table.failed, StatusClass::Failed),
+            (table.retry, StatusClass::Retry),
+            (table.unknown, StatusClass::Unknown),
+        ] {
+            for code in codes {
+                if !(100..=599).contains(&code) {
+                    return Err(invalid(
+                        at("executor.status"),
+                        format!("{code} is not an HTTP status"),
+                    ));
+                }
+                if status.overrides.insert(code, class).is_some() {
+                    return Err(invalid(
+                        at("executor.status"),
+                        format!("status {code} is listed twice"),
+                    ));
+                }
+            }
+        }
+    }
+    Ok(ExecutorKind::Http(HttpExecutor {
+        method,
+        url,
+        timeout,
+        headers: e.headers,
+        status,
+        honors_key: e.honors_key,
+    }))
+}
+
+/// A tool's `executor` of kind `sql`.
+fn sql_executor(
+    at: &impl Fn(&str) -> String,
+    e: RawExecutor,
+    class: ToolClass,
+) -> Result<ExecutorKind, ConfigError> {
+    if e.url.is_some() || e.method.is_some() {
+        return Err(invalid(
+            at("executor.url"),
+            "belongs to kind = \"http\", not \"sql\"",
+        ));
+    }
+    let statement = e
+        .statement
+        .filter(|s| !s.trim().is_empty())
+        .ok_or_else(|| invalid(at("executor.statement"), "is required for kind = \"sql\""))?;
+    let params = e
+        .params
+        .iter()
+        .map(|p| {
+            if p == "key" {
+                Ok(SqlParam::Key)
+            } else {
+                FieldPath::parse(&at("executor.params"), p).map(SqlParam::Field)
+            }
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let highest = highest_placeholder(&statement);
+    if highest != params.len() {
+        return Err(invalid(
+            at("executor.params"),
+            format!(
+                "names {} parameters but the statement uses ${highest} as its highest placeholder",
+                params.len()
+            ),
+        ));
+    }
+    if class == ToolClass::ReadOnly {
+        return Err(invalid(
+            at("class"),
+            "a sql executor writes in the outcome transaction: use idempotent or dangerous",
+        ));
+    }
+    // Enforced with `SET LOCAL statement_timeout`, so one slow statement cannot hold a
+    // connection of the relay's pool for longer.
+    let timeout = duration(
+        &at("executor.timeout"),
+        e.timeout.as_deref().unwrap_or("10s"),
+    )?;
+    Ok(ExecutorKind::Sql(SqlExecutor {
+        statement,
+        params,
+        timeout,
+    }))
+}
+
+/// A tool's `retry` section.
+fn retry_policy(at: &impl Fn(&str) -> String, r: RawRetry) -> Result<RetryPolicy, ConfigError> {
+    let policy = RetryPolicy {
+        max_attempts: r.max_attempts,
+        initial_backoff: duration(&at("retry.initial_backoff"), &r.initial_backoff)?,
+        max_backoff: duration(&at("retry.max_backoff"), &r.max_backoff)?,
+    };
+    if policy.max_attempts == 0 || policy.max_attempts > 100 {
+        return Err(invalid(
+            at("retry.max_attempts"),
+            "must be between 1 and 100",
+        ));
+    }
+    if policy.max_backoff < policy.initial_backoff {
+        return Err(invalid(
+            at("retry.max_backoff"),
+            "must not be shorter than initial_backoff",
+        ));
+    }
+    Ok(policy)
+}
+
+/// A tool's `verify` section: only http tools are verified.
+fn verify_section(
+    at: &impl Fn(&str) -> String,
+    v: RawVerify,
+    executor: &ExecutorKind,
+) -> Result<Verify, ConfigError> {
+    if !matches!(executor, ExecutorKind::Http(_)) {
+        return Err(invalid(
+            at("verify"),
+            "only http tools are verified: a sql effect commits with its record",
+        ));
+    }
+    url_template(&at("verify.url"), &v.url)?;
+    let method = http_method(&at("verify.method"), v.method, "GET")?;
+    let max_attempts = v.max_attempts.unwrap_or(5);
+    if max_attempts == 0 || max_attempts > 100 {
+        return Err(invalid(
+            at("verify.max_attempts"),
+            "must be between 1 and 100",
+        ));
+    }
+    Ok(Verify {
+        method,
+        url: v.url,
+        timeout: duration(&at("verify.timeout"), v.timeout.as_deref().unwrap_or("5s"))?,
+        max_attempts,
+        backoff: duration(
+            &at("verify.backoff"),
+            v.backoff.as_deref().unwrap_or("200ms"),
+        )?,
+    })
+}
+
+/// A tool's `approval`: (the gate, whether it was opted out of explicitly). A dangerous tool
+/// that nothing can verify is gated unless it says `approval = "none"`.
+fn approval_section(
+    at: &impl Fn(&str) -> String,
+    raw: Option<RawApproval>,
+    class: ToolClass,
+    verify: Option<&Verify>,
+    executor: &ExecutorKind,
+    material: &[FieldPath],
+) -> Result<(Approval, bool), ConfigError> {
+    Ok(match raw {
+        None => {
+            let unverifiable = class == ToolClass::Dangerous
+                && verify.is_none()
+                && matches!(&executor, ExecutorKind::Http(h) if !h.honors_key);
+            // Nothing can tell whether a repeat doubled the effect: a person gates it.
+            (if unverifiable { Approval::Required } else { Approval::None }, false)
+        }
+        Some(RawApproval::Word(w)) => match w.as_str() {
+            "required" => (Approval::Required, false),
+            "none" => (Approval::None, true),
+            other => {
+                return Err(invalid(
+                    at("approval"),
+                    format!("`{other}` is not an approval: use \"required\", \"none\" or {{ field = \"args.amount\", above = 100 }}"),
+                ))
+            }
+        },
+        Some(RawApproval::Above { field, above }) => {
+            let field = FieldPath::parse(&at("approval.field"), &field)?;
+            if !material.contains(&field) {
+                return Err(invalid(
+                    at("approval.field"),
+                    format!("`{}` must be one of the tool's material fields, or a reworded request could change it", field.0),
+                ));
+            }
+            (Approval::Above { field, threshold: above }, false)
+        }
+    })
+}
+
+/// An http(s) URL whose `{placeholders}` are `key` or field paths.
+fn url_template(field: &str, url: &str) -> Result<(), ConfigError> {
+    if !(url.starts_with("http://") || url.starts_with("https://")) {
+        return Err(invalid(
+            field,
+            format!("`{url}` must start with http:// or https://"),
+        ));
+    }
+    for placeholder in placeholders(url) {
+        if placeholder != "key" {
+            FieldPath::parse(field, &placeholder)?;
+        }
+    }
+    Ok(())
+}
+
+/// An HTTP method, `default` when not given.
+fn http_method(
+    field: &str,
+    given: Option<String>,
+    default: &str,
+) -> Result<reqwest::Method, ConfigError> {
+    let text = given.unwrap_or_else(|| default.into()).to_ascii_uppercase();
+    reqwest::Method::from_bytes(text.as_bytes())
+        .map_err(|_| invalid(field, format!("`{text}` is not an HTTP method")))
+}
+
 /// The `{...}` names in a URL template.
 pub fn placeholders(template: &str) -> Vec<String> {
     let mut out = Vec::new();
@@ -610,4 +640,75 @@ fn highest_placeholder(statement: &str) -> usize {
         }
     }
     highest
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn at(f: &str) -> String {
+        format!("tools[0].{f}")
+    }
+
+    fn reason(e: ConfigError) -> String {
+        e.to_string()
+    }
+
+    #[test]
+    fn url_templates_need_a_scheme_and_known_placeholders() {
+        assert!(url_template("f", "https://x/{key}/{args.id}").is_ok());
+        let e = reason(url_template("f", "ftp://x").unwrap_err());
+        assert!(
+            e.contains("`f`") && e.contains("http:// or https://"),
+            "{e}"
+        );
+        assert!(url_template("f", "http://x/{nope}").is_err());
+    }
+
+    #[test]
+    fn http_methods_default_and_are_checked() {
+        assert_eq!(http_method("f", None, "GET").unwrap(), reqwest::Method::GET);
+        assert_eq!(
+            http_method("f", Some("put".into()), "GET").unwrap(),
+            reqwest::Method::PUT
+        );
+        let e = reason(http_method("f", Some("NO PE".into()), "GET").unwrap_err());
+        assert!(e.contains("is not an HTTP method"), "{e}");
+    }
+
+    #[test]
+    fn a_retry_section_is_bounded() {
+        let raw = |n: u32, initial: &str, max: &str| RawRetry {
+            max_attempts: n,
+            initial_backoff: initial.into(),
+            max_backoff: max.into(),
+        };
+        let p = retry_policy(&at, raw(3, "100ms", "2s")).unwrap();
+        assert_eq!((p.max_attempts, p.max_backoff), (3, Duration::from_secs(2)));
+        let e = reason(retry_policy(&at, raw(0, "100ms", "2s")).unwrap_err());
+        assert!(e.contains("tools[0].retry.max_attempts"), "{e}");
+        let e = reason(retry_policy(&at, raw(3, "2s", "1s")).unwrap_err());
+        assert!(e.contains("tools[0].retry.max_backoff"), "{e}");
+    }
+
+    #[test]
+    fn only_http_tools_are_verified() {
+        let sql = ExecutorKind::Sql(SqlExecutor {
+            statement: "select 1".into(),
+            params: vec![],
+            timeout: Duration::from_secs(1),
+        });
+        let v = RawVerify {
+            method: None,
+            url: "http://x/{key}".into(),
+            timeout: None,
+            max_attempts: None,
+            backoff: None,
+        };
+        let e = reason(verify_section(&at, v, &sql).unwrap_err());
+        assert!(
+            e.contains("tools[0].verify") && e.contains("only http tools"),
+            "{e}"
+        );
+    }
 }
