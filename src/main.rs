@@ -142,6 +142,22 @@ fn load(path: &std::path::Path) -> anyhow::Result<Config> {
     Ok(Config::load(path, |k| std::env::var(k).ok())?)
 }
 
+/// `approve` and `deny`: the same function the admin API calls.
+async fn decide(
+    config: &std::path::Path,
+    key: &str,
+    decision: idem::gates::Decision,
+    by: &str,
+    reason: &str,
+    fingerprint: Option<&str>,
+) -> anyhow::Result<()> {
+    let config = load(config)?;
+    let pool = idem::db::pool(&config.postgres)?;
+    let schema = &config.postgres.schema;
+    idem::gates::decide(&pool, schema, key, decision, by, reason, fingerprint).await?;
+    Ok(())
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
@@ -290,19 +306,8 @@ async fn main() -> anyhow::Result<()> {
             reason,
             fingerprint,
         } => {
-            let config = load(&config)?;
-            let pool = idem::db::pool(&config.postgres)?;
             let d = idem::gates::Decision::Approve;
-            idem::gates::decide(
-                &pool,
-                &config.postgres.schema,
-                &key,
-                d,
-                &by,
-                &reason,
-                fingerprint.as_deref(),
-            )
-            .await?;
+            decide(&config, &key, d, &by, &reason, fingerprint.as_deref()).await?;
             println!("{key}: approved by {by}");
         }
         Command::Deny {
@@ -311,11 +316,8 @@ async fn main() -> anyhow::Result<()> {
             by,
             reason,
         } => {
-            let config = load(&config)?;
-            let pool = idem::db::pool(&config.postgres)?;
             let d = idem::gates::Decision::Deny;
-            idem::gates::decide(&pool, &config.postgres.schema, &key, d, &by, &reason, None)
-                .await?;
+            decide(&config, &key, d, &by, &reason, None).await?;
             println!("{key}: denied by {by}");
         }
         Command::Prune { config } => {

@@ -202,4 +202,9 @@ impl AttemptEnd {
             latency_ms: took.as_secs_f64() * 1000.0,
         }
     }
+
+    /// An attempt that ended before anything was sent, and why.
+    pub(super) fn unsent(seq: i32, classification: &'static str, why: &str) -> Self {
+        AttemptEnd::new(seq, classification, None, Some(why.into()), Duration::ZERO)
+    }
 }

@@ -1,7 +1,7 @@
 //! The http call loop of one claim: call, retry what certainly did not happen, verify what may
 //! have. Calling and verifying are separate steps that hand over to each other.
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use crate::config::{ExecutorKind, HttpExecutor, Tool, ToolClass};
 use crate::execute::http::{self, Attempt, Verified};
@@ -111,13 +111,7 @@ impl Executor {
     async fn verify_once(&self, run: &mut Run<'_>) -> Result<Step, ExecError> {
         let (c, tool, seq, calls) = (run.c, run.tool, run.seq, run.calls);
         let (Some(v), Some(url)) = (tool.verify.as_ref(), run.verify_url.as_deref()) else {
-            let end = AttemptEnd::new(
-                seq,
-                "inconclusive",
-                None,
-                Some("no verify configured".into()),
-                Duration::ZERO,
-            );
+            let end = AttemptEnd::unsent(seq, "inconclusive", "no verify configured");
             return Ok(Step::Done(
                 self.unknown(tool, "no verify is configured for this tool", calls),
                 end,
@@ -212,13 +206,7 @@ impl Executor {
                 "not done, and the {} calls allowed were all made",
                 tool.retry.max_attempts
             );
-            let end = AttemptEnd::new(
-                run.seq,
-                "not_sent",
-                None,
-                Some("retry budget spent".into()),
-                Duration::ZERO,
-            );
+            let end = AttemptEnd::unsent(run.seq, "not_sent", "retry budget spent");
             return Ok(Step::Done(
                 Settled::not_done(ErrorCode::DownstreamUnavailable, message, run.calls),
                 end,

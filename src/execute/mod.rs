@@ -370,13 +370,7 @@ impl Executor {
                 ),
                 attempts: 0,
             };
-            let end = AttemptEnd::new(
-                claimed.seq,
-                "failed",
-                None,
-                Some("tool not configured".into()),
-                Duration::ZERO,
-            );
+            let end = AttemptEnd::unsent(claimed.seq, "failed", "tool not configured");
             return self.record(&claimed, settled, Some(end)).await;
         };
         self.metrics.inflight.inc();

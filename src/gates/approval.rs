@@ -5,8 +5,8 @@ use deadpool_postgres::Pool;
 
 use crate::db::DbError;
 use crate::intent::IntentStatus;
+use crate::outcome::{finish_parked, Settled};
 use crate::outcome::{ErrorCode, OutcomeStatus};
-use crate::outcome::{FinishError, Guard, Settled};
 
 /// A person's decision on a key waiting for approval.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -104,24 +104,12 @@ pub async fn decide(
                 attempts: 0,
             };
             let channel = crate::publish::outbox::outbox_channel(schema);
-            match crate::outcome::finish(
-                &tx,
-                id,
-                Guard::Parked(IntentStatus::PendingApproval),
-                &settled,
-                None,
-                &channel,
-            )
-            .await
-            {
-                Ok(_) => {}
-                Err(FinishError::Fenced(_)) => {
-                    return Err(DecideError::NotPending {
-                        key: key.to_string(),
-                        status: "changing".into(),
-                    })
-                }
-                Err(FinishError::Db(e)) => return Err(e.into()),
+            let parked = IntentStatus::PendingApproval;
+            if !finish_parked(&tx, id, parked, &settled, &channel).await? {
+                return Err(DecideError::NotPending {
+                    key: key.to_string(),
+                    status: "changing".into(),
+                });
             }
         }
     }
@@ -173,19 +161,9 @@ pub async fn expire_approvals(
                 error: Some(ErrorCode::ApprovalTimeout.error(reason)),
                 attempts: 0,
             };
-            match crate::outcome::finish(
-                &tx,
-                id,
-                Guard::Parked(IntentStatus::PendingApproval),
-                &settled,
-                None,
-                &channel,
-            )
-            .await
-            {
-                Ok(_) => expired += 1,
-                Err(FinishError::Fenced(_)) => {}
-                Err(FinishError::Db(e)) => return Err(e),
+            let parked = IntentStatus::PendingApproval;
+            if finish_parked(&tx, id, parked, &settled, &channel).await? {
+                expired += 1;
             }
         }
         tx.commit().await?;

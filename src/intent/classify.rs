@@ -388,94 +388,82 @@ mod tests {
         );
     }
 
+    /// A verdict in a few words, for comparing: the variant, the stored key's id, and its
+    /// details.
+    fn said(r: Repeat<'_>) -> String {
+        match r {
+            Repeat::ProducerRetry { intent } => format!("producer retry of {intent:?}"),
+            Repeat::Refused { code, message } => format!("refused {}: {message}", code.as_str()),
+            Repeat::Vanished => "vanished".into(),
+            Repeat::Conflict { stored, fields } => {
+                format!("conflict with {} on {fields:?}", stored.id)
+            }
+            Repeat::Duplicate {
+                stored,
+                origin,
+                answered,
+            } => format!(
+                "{} of {}, {}",
+                origin.as_str(),
+                stored.id,
+                if answered { "answered" } else { "waits" }
+            ),
+        }
+    }
+
     #[test]
     fn identical_args_are_a_replay_and_reworded_ones_a_model_retry() {
-        let first = action(0, "e1", "k1", "a@x", "hi");
-        let stored = stored_from(&first, 41, true);
+        let stored = stored_from(&action(0, "e1", "k1", "a@x", "hi"), 41, true);
         let replay = action(1, "e2", "k1", "a@x", "hi");
         let reworded = action(2, "e3", "k1", "a@x", "hello there");
-        match repeat(Origin::Replay, &replay, Some(&stored), None) {
-            Repeat::Duplicate {
-                stored: k,
-                origin: Origin::Replay,
-                answered: true,
-            } => assert_eq!(k.id, 41),
-            other => panic!("{other:?}"),
-        }
-        assert!(matches!(
-            repeat(Origin::Replay, &reworded, Some(&stored), None),
-            Repeat::Duplicate {
-                origin: Origin::ModelRetry,
-                answered: true,
-                ..
-            }
-        ));
+        let judge = |a: &KeyedAction| said(repeat(Origin::Replay, a, Some(&stored), None));
+        assert_eq!(judge(&replay), "replay of 41, answered");
+        assert_eq!(judge(&reworded), "model_retry of 41, answered");
     }
 
     #[test]
     fn a_duplicate_of_a_key_still_being_recorded_waits_for_its_answer() {
-        let first = action(0, "e1", "k1", "a@x", "hi");
-        let stored = stored_from(&first, 41, false);
+        let stored = stored_from(&action(0, "e1", "k1", "a@x", "hi"), 41, false);
         let replay = action(1, "e2", "k1", "a@x", "hi");
-        assert!(matches!(
-            repeat(Origin::Replay, &replay, Some(&stored), None),
-            Repeat::Duplicate {
-                origin: Origin::Replay,
-                answered: false,
-                ..
-            }
-        ));
+        let v = repeat(Origin::Replay, &replay, Some(&stored), None);
+        assert_eq!(said(v), "replay of 41, waits");
     }
 
     #[test]
     fn different_material_fields_are_a_conflict_naming_them() {
-        let first = action(0, "e1", "k1", "a@x", "hi");
-        let stored = stored_from(&first, 41, true);
+        let stored = stored_from(&action(0, "e1", "k1", "a@x", "hi"), 41, true);
         let other = action(1, "e2", "k1", "b@x", "hi");
-        match repeat(Origin::Replay, &other, Some(&stored), None) {
-            Repeat::Conflict { stored: k, fields } => {
-                assert_eq!(k.id, 41);
-                assert_eq!(fields, ["args.to"]);
-            }
-            v => panic!("{v:?}"),
-        }
+        let v = repeat(Origin::Replay, &other, Some(&stored), None);
+        assert_eq!(said(v), r#"conflict with 41 on ["args.to"]"#);
     }
 
     #[test]
     fn a_producer_retry_is_logged_against_the_stored_key_but_a_read_only_one_against_none() {
-        let first = action(0, "e1", "k1", "a@x", "hi");
-        let stored = stored_from(&first, 41, true);
+        let stored = stored_from(&action(0, "e1", "k1", "a@x", "hi"), 41, true);
         // Even with other material: the event id is the same, so it is the same request.
         let retry = action(1, "e1", "k1", "b@x", "hi");
-        assert!(matches!(
-            repeat(Origin::ProducerRetry, &retry, Some(&stored), None),
-            Repeat::ProducerRetry { intent: Some(41) }
-        ));
         let ro = read_only(action(1, "e1", "k1", "a@x", "hi"));
-        assert!(matches!(
-            repeat(Origin::ProducerRetry, &ro, Some(&stored), None),
-            Repeat::ProducerRetry { intent: None }
-        ));
-        assert!(matches!(
-            repeat(Origin::ProducerRetry, &retry, None, None),
-            Repeat::ProducerRetry { intent: None }
-        ));
+        let pr = Origin::ProducerRetry;
+        assert_eq!(
+            said(repeat(pr, &retry, Some(&stored), None)),
+            "producer retry of Some(41)"
+        );
+        assert_eq!(
+            said(repeat(pr, &ro, Some(&stored), None)),
+            "producer retry of None"
+        );
+        assert_eq!(
+            said(repeat(pr, &retry, None, None)),
+            "producer retry of None"
+        );
     }
 
     #[test]
     fn a_key_without_a_row_is_refused_again_or_else_vanished() {
         let a = action(1, "e2", "k1", "a@x", "hi");
         let refusal = (ErrorCode::StaleResume, "pruned".to_string());
-        assert!(matches!(
-            repeat(Origin::Replay, &a, None, Some(&refusal)),
-            Repeat::Refused {
-                code: ErrorCode::StaleResume,
-                message: "pruned"
-            }
-        ));
-        assert!(matches!(
-            repeat(Origin::Replay, &a, None, None),
-            Repeat::Vanished
-        ));
+        let v = repeat(Origin::Replay, &a, None, Some(&refusal));
+        assert_eq!(said(v), "refused stale_resume: pruned");
+        assert_eq!(said(repeat(Origin::Replay, &a, None, None)), "vanished");
     }
 }

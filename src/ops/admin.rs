@@ -36,8 +36,8 @@ pub fn router(state: AdminState) -> Router {
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
         .route("/v1/actions/{key}", get(explain))
-        .route("/v1/actions/{key}/approve", post(approve))
-        .route("/v1/actions/{key}/deny", post(deny))
+        // `approve` or `deny`; `resolve` (below) is matched first, being a fixed segment.
+        .route("/v1/actions/{key}/{decision}", post(approve_or_deny))
         .route("/v1/actions/{key}/resolve", post(resolve))
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(state)
@@ -183,6 +183,16 @@ fn body(bytes: &[u8]) -> Result<DecisionBody, AdminError> {
     Ok(b)
 }
 
+/// A decision's body, once the caller is authorized.
+fn authorized_body(
+    s: &AdminState,
+    headers: &HeaderMap,
+    bytes: &[u8],
+) -> Result<DecisionBody, AdminError> {
+    authorize(s, headers)?;
+    body(bytes)
+}
+
 async fn decide(
     s: AdminState,
     headers: HeaderMap,
@@ -190,10 +200,7 @@ async fn decide(
     bytes: axum::body::Bytes,
     decision: crate::gates::Decision,
 ) -> Response {
-    if let Err(r) = authorize(&s, &headers) {
-        return r.into_response();
-    }
-    let b = match body(&bytes) {
+    let b = match authorized_body(&s, &headers, &bytes) {
         Ok(b) => b,
         Err(r) => return r.into_response(),
     };
@@ -222,22 +229,18 @@ async fn decide(
     }
 }
 
-async fn approve(
+async fn approve_or_deny(
     State(s): State<AdminState>,
-    Path(key): Path<String>,
+    Path((key, decision)): Path<(String, String)>,
     headers: HeaderMap,
     bytes: axum::body::Bytes,
 ) -> Response {
-    decide(s, headers, key, bytes, crate::gates::Decision::Approve).await
-}
-
-async fn deny(
-    State(s): State<AdminState>,
-    Path(key): Path<String>,
-    headers: HeaderMap,
-    bytes: axum::body::Bytes,
-) -> Response {
-    decide(s, headers, key, bytes, crate::gates::Decision::Deny).await
+    let decision = match decision.as_str() {
+        "approve" => crate::gates::Decision::Approve,
+        "deny" => crate::gates::Decision::Deny,
+        _ => return StatusCode::NOT_FOUND.into_response(),
+    };
+    decide(s, headers, key, bytes, decision).await
 }
 
 async fn resolve(
@@ -246,10 +249,7 @@ async fn resolve(
     headers: HeaderMap,
     bytes: axum::body::Bytes,
 ) -> Response {
-    if let Err(r) = authorize(&s, &headers) {
-        return r.into_response();
-    }
-    let b = match body(&bytes) {
+    let b = match authorized_body(&s, &headers, &bytes) {
         Ok(b) => b,
         Err(r) => return r.into_response(),
     };

@@ -5,8 +5,8 @@ use serde_json::json;
 
 use crate::db::DbError;
 use crate::intent::IntentStatus;
+use crate::outcome::{finish_parked, Settled};
 use crate::outcome::{ErrorCode, OutcomeStatus};
-use crate::outcome::{FinishError, Guard, Settled};
 
 use super::InspectError;
 
@@ -100,24 +100,11 @@ pub async fn resolve(
     };
     match settled {
         Some(settled) => {
-            match crate::outcome::finish(
-                &tx,
-                id,
-                Guard::Parked(IntentStatus::Unknown),
-                &settled,
-                None,
-                &channel,
-            )
-            .await
-            {
-                Ok(_) => {}
-                Err(FinishError::Fenced(_)) => {
-                    return Err(InspectError::NotParked {
-                        key: key.to_string(),
-                        status: "changing".into(),
-                    })
-                }
-                Err(FinishError::Db(e)) => return Err(e.into()),
+            if !finish_parked(&tx, id, IntentStatus::Unknown, &settled, &channel).await? {
+                return Err(InspectError::NotParked {
+                    key: key.to_string(),
+                    status: "changing".into(),
+                });
             }
         }
         None => {

@@ -221,6 +221,22 @@ const FINISH_MANY: &str = "
     select f.*, (select array_agg(w.action_event_id) from w where w.intent_id = f.id) as waiting
       from f";
 
+/// Settles a key a person (or its approval timeout) decided while it was parked with status
+/// `parked`. `Ok(false)`: it is parked no longer (another decision came first).
+pub async fn finish_parked(
+    tx: &Transaction<'_>,
+    id: i64,
+    parked: IntentStatus,
+    settled: &Settled,
+    channel: &str,
+) -> Result<bool, DbError> {
+    match finish(tx, id, Guard::Parked(parked), settled, None, channel).await {
+        Ok(_) => Ok(true),
+        Err(FinishError::Fenced(_)) => Ok(false),
+        Err(FinishError::Db(e)) => Err(e),
+    }
+}
+
 /// Records many calls' results in the caller's transaction: the same as [`finish`] for each,
 /// in three statements for all (the lock and the finish pipelined, then the outbox). An item
 /// whose claim was lost is `None` and writes nothing.
