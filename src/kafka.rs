@@ -24,6 +24,20 @@ pub struct RelayContext {
     pub brokers_up: Arc<AtomicBool>,
 }
 
+/// A partition's lag from librdkafka's statistics (-1 where it knows nothing): its own
+/// `consumer_lag` once the group has a position, else everything retained past what the
+/// application has read; `None` while the broker's offsets are unknown too.
+fn partition_lag(consumer_lag: i64, hi: i64, lo: i64, app: i64) -> Option<i64> {
+    if consumer_lag >= 0 {
+        Some(consumer_lag)
+    } else if hi >= 0 && lo >= 0 {
+        // No committed position yet: everything retained is still to be read.
+        Some(hi - app.max(lo))
+    } else {
+        None
+    }
+}
+
 impl ClientContext for RelayContext {
     fn stats(&self, stats: Statistics) {
         // Readiness follows the brokers: up while librdkafka has a connection up to at least
@@ -40,15 +54,10 @@ impl ClientContext for RelayContext {
             if *id < 0 || !p.desired {
                 continue;
             }
-            let lag = if p.consumer_lag >= 0 {
-                p.consumer_lag
-            } else if p.hi_offset >= 0 && p.lo_offset >= 0 {
-                // No committed position yet: everything retained is still to be read.
-                p.hi_offset - p.app_offset.max(p.lo_offset)
-            } else {
-                continue;
-            };
-            self.metrics.consumer_lag(*id, lag);
+            if let Some(lag) = partition_lag(p.consumer_lag, p.hi_offset, p.lo_offset, p.app_offset)
+            {
+                self.metrics.consumer_lag(*id, lag);
+            }
         }
     }
 
@@ -230,4 +239,29 @@ pub async fn ensure_topics(cfg: &KafkaConfig) -> Result<(), KafkaError> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::partition_lag;
+
+    #[test]
+    fn lag_is_librdkafkas_own_once_there_is_a_position() {
+        assert_eq!(partition_lag(7, 100, 0, 93), Some(7));
+        assert_eq!(partition_lag(0, 100, 0, 100), Some(0));
+    }
+
+    #[test]
+    fn without_a_position_everything_retained_past_what_was_read_is_lag() {
+        // Nothing read yet: from the low watermark (retention may have dropped the start).
+        assert_eq!(partition_lag(-1, 100, 40, -1), Some(60));
+        // Read some, not yet committed.
+        assert_eq!(partition_lag(-1, 100, 40, 70), Some(30));
+    }
+
+    #[test]
+    fn no_lag_is_reported_while_the_broker_offsets_are_unknown() {
+        assert_eq!(partition_lag(-1, -1, -1, -1), None);
+        assert_eq!(partition_lag(-1, 100, -1, 5), None);
+    }
 }

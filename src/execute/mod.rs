@@ -123,6 +123,7 @@ impl Work {
 }
 
 pub(crate) struct Executor {
+    /// The data path's connections: claims, attempts and outcomes.
     pool: Pool,
     /// A small pool of its own for lease renewal and recovery, so they always get a connection
     /// however busy the data path is.
@@ -131,26 +132,37 @@ pub(crate) struct Executor {
     /// transactions never take every connection from recording and claiming.
     sql_slots: Arc<Semaphore>,
     pub(crate) config: Arc<Config>,
+    /// Tools by name, shared with the tasks that call them.
     pub(crate) tools: HashMap<String, Arc<Tool>>,
+    /// Each tool's `concurrency`: a slow downstream holds only its own places.
     tool_permits: HashMap<String, Arc<Semaphore>>,
+    /// The relay's `concurrency`: calls in flight at once, over all tools.
     permits: Arc<Semaphore>,
+    /// Bounds intents waiting for a permit; the consumer waits on it, never on a call.
     queue: Arc<Semaphore>,
     /// Calls done downstream whose outcomes are being recorded.
     recording: Arc<Semaphore>,
+    /// One client for every call and verification, so connections are reused.
     http: reqwest::Client,
     pub(crate) metrics: Arc<Metrics>,
+    /// This relay's name as a lease owner (its instance id).
     pub(crate) owner: String,
+    /// How long a claim holds without renewal; renewed every third of it.
     lease: Duration,
+    /// The outbox's LISTEN/NOTIFY channel, notified with each outcome.
     pub(crate) channel: String,
     /// Intents queued or running here, so recovery does not queue them twice.
     local: Mutex<HashSet<i64>>,
     /// Set at shutdown: queued intents are left pending for the next relay instead of starting.
     stopping: std::sync::atomic::AtomicBool,
-    /// Group commit of claims and of http outcomes.
+    /// Group commit of claims.
     claims: GroupCommit<i64, Result<Option<Claimed>, GroupError>>,
+    /// Group commit of http outcomes.
     finishes: GroupCommit<Finish, Result<Option<KeyState>, GroupError>>,
     /// Group commit of the lease re-checks made before a queued claim's first send.
     fences: GroupCommit<crate::execute::claim::Fence, Result<bool, GroupError>>,
+    /// Every queued or running call, so shutdown can wait for them (up to its grace) and abort
+    /// the rest.
     tasks: Mutex<JoinSet<()>>,
 }
 
