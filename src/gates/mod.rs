@@ -8,6 +8,7 @@ use serde_json::Value;
 use crate::action::key;
 use crate::config::{Tool, ToolClass};
 use crate::db::DbError;
+use crate::outcome::ErrorCode;
 
 mod approval;
 mod retention;
@@ -58,6 +59,31 @@ const COUNT_RUN: &str = "
     select * from unnest($1::text[], $2::text[], $3::int4[])
     on conflict (run_id, tool) do update set n = run_counts.n + excluded.n
     returning run_id, tool, n";
+
+/// Whether a new key is refused before it is recorded: `stale`, it was finished and pruned
+/// (a run resumed past retention); or `failed_before` intents of the same business action in
+/// this run failed, as many as `max_reattempts` allows. The refusal's code and message.
+pub(crate) fn refusal(
+    key: &str,
+    tool: &str,
+    business_id: Option<&str>,
+    gates: &Gates,
+    stale: bool,
+    failed_before: Option<i64>,
+) -> Option<(ErrorCode, String)> {
+    if stale {
+        return Some((ErrorCode::StaleResume, format!(
+            "key {key} belongs to an action finished and pruned after its retention; a resumed run cannot execute it again"
+        )));
+    }
+    match (gates.max_reattempts, failed_before) {
+        (Some(max), Some(n)) if n >= i64::from(max) => Some((ErrorCode::ReattemptsExceeded, format!(
+            "{n} attempts at this {tool} for {} already failed (the limit is {max}); stop and report instead of trying again",
+            business_id.unwrap_or("")
+        ))),
+        _ => None,
+    }
+}
 
 /// One newly recorded intent, as the per-run limits see it.
 pub(crate) struct Counted<'a> {
@@ -134,4 +160,45 @@ pub(crate) async fn count_runs(
         }
     }
     Ok(over)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limited(max: u32) -> Gates {
+        Gates {
+            max_reattempts: Some(max),
+            ..Gates::default()
+        }
+    }
+
+    #[test]
+    fn a_pruned_key_is_refused_as_a_stale_resume() {
+        let (code, message) = refusal("k1", "t", None, &Gates::default(), true, None).unwrap();
+        assert_eq!(code, ErrorCode::StaleResume);
+        assert!(message.contains("key k1"), "{message}");
+    }
+
+    #[test]
+    fn reattempts_are_refused_once_the_failures_reach_the_limit() {
+        let g = limited(2);
+        assert_eq!(
+            refusal("k", "refund", Some("o-1"), &g, false, Some(1)),
+            None
+        );
+        let (code, message) = refusal("k", "refund", Some("o-1"), &g, false, Some(2)).unwrap();
+        assert_eq!(code, ErrorCode::ReattemptsExceeded);
+        assert!(
+            message.starts_with("2 attempts at this refund for o-1"),
+            "{message}"
+        );
+        // Without a limit, or with no failures on record, nothing is refused.
+        let none = Gates::default();
+        assert_eq!(
+            refusal("k", "refund", Some("o-1"), &none, false, Some(9)),
+            None
+        );
+        assert_eq!(refusal("k", "refund", Some("o-1"), &g, false, None), None);
+    }
 }

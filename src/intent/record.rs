@@ -9,7 +9,7 @@ use tokio_postgres::Row;
 
 use crate::config::ToolClass;
 use crate::db::DbError;
-use crate::gates::{count_runs, Counted};
+use crate::gates::{self, count_runs, Counted};
 use crate::intent::classify::{self, Arrival, Repeat, StoredKey};
 use crate::intent::sql::{
     FAILED_REATTEMPTS, INSERT_DELIVERIES, INSERT_INTENTS, INSERT_INTENTS_OPENING_CALLS,
@@ -135,12 +135,12 @@ pub async fn record_batch(
 
     let mut deliveries = DeliveryRows::default();
     let mut outbox: Vec<Outcome> = Vec::new();
-    // Index of items that still need their key's state, after the insert.
-    let mut pending: Vec<(usize, Origin)> = Vec::new();
-    let mut to_insert: Vec<usize> = Vec::new();
+    // Actions that still need their key's state, after the insert.
+    let mut pending: Vec<(&KeyedAction, Origin)> = Vec::new();
+    let mut to_insert: Vec<&KeyedAction> = Vec::new();
 
     let arrivals = classify::arrivals(items, &seen_records, seen_events);
-    for (i, (item, arrival)) in items.iter().zip(arrivals).enumerate() {
+    for (item, arrival) in items.iter().zip(arrivals) {
         if arrival == Arrival::Redelivery {
             let (tool, key, event_id) = match item {
                 Incoming::Action(a) => (a.tool.clone(), a.key.as_str(), a.event.id.as_str()),
@@ -185,29 +185,25 @@ pub async fn record_batch(
                     Origin::DeadLetter,
                 ));
             }
-            Incoming::Action(_) => match arrival {
-                Arrival::ProducerRetry => pending.push((i, Origin::ProducerRetry)),
+            Incoming::Action(a) => match arrival {
+                Arrival::ProducerRetry => pending.push((a, Origin::ProducerRetry)),
                 // Classified against the stored row below, like any later repeat.
-                Arrival::SameKey => pending.push((i, Origin::Replay)),
+                Arrival::SameKey => pending.push((a, Origin::Replay)),
                 // A candidate (the only other verdict an action gets).
-                _ => to_insert.push(i),
+                _ => to_insert.push(a),
             },
         }
     }
 
     // 2. Gates that refuse a new key before it is recorded: a pruned key coming back (a run
     //    resumed past retention), and too many failed attempts at the same business action.
-    let action_of = |i: usize| match &items[i] {
-        Incoming::Action(a) => a.as_ref(),
-        Incoming::Rejected { .. } => unreachable!("only actions are inserted"),
-    };
     // Keys refused here are not recorded: a repeat of one later in this batch gets the same
     // refusal (step 5).
     let mut refused: HashMap<&str, (ErrorCode, String)> = HashMap::new();
     if !to_insert.is_empty() {
         let reattempt_keys: Vec<&KeyedAction> = to_insert
             .iter()
-            .map(|i| action_of(*i))
+            .copied()
             .filter(|a| a.gates.max_reattempts.is_some() && a.event.data.business_id.is_some())
             .collect();
         let mut failed: HashMap<(String, String, String), i64> = HashMap::new();
@@ -225,27 +221,23 @@ pub async fn record_batch(
                 failed.insert((r.get(0), r.get(1), r.get(2)), r.get(3));
             }
         }
-        to_insert.retain(|i| {
-            let a = action_of(*i);
-            let refusal = if stale.contains(&a.key) {
-                Some((ErrorCode::StaleResume, format!(
-                    "key {} belongs to an action finished and pruned after its retention; a resumed run cannot execute it again",
-                    a.key
-                )))
-            } else {
-                let tried = a.event.data.business_id.as_ref().and_then(|b| {
-                    failed.get(&(a.event.data.run_id.clone(), a.tool.clone(), b.clone()))
-                });
-                match (a.gates.max_reattempts, tried) {
-                    (Some(max), Some(n)) if *n >= i64::from(max) => Some((ErrorCode::ReattemptsExceeded, format!(
-                        "{n} attempts at this {} for {} already failed (the limit is {max}); stop and report instead of trying again",
-                        a.tool,
-                        a.event.data.business_id.as_deref().unwrap_or("")
-                    ))),
-                    _ => None,
-                }
+        to_insert.retain(|&a| {
+            let failed_before = a.event.data.business_id.as_ref().and_then(|b| {
+                failed
+                    .get(&(a.event.data.run_id.clone(), a.tool.clone(), b.clone()))
+                    .copied()
+            });
+            let refusal = gates::refusal(
+                &a.key,
+                &a.tool,
+                a.event.data.business_id.as_deref(),
+                &a.gates,
+                stale.contains(&a.key),
+                failed_before,
+            );
+            let Some((code, message)) = refusal else {
+                return true;
             };
-            let Some((code, message)) = refusal else { return true };
             refused.insert(a.key.as_str(), (code, message.clone()));
             let state = a.state(OutcomeStatus::Rejected, Some(code.error(message)));
             outbox.push(answer::rejected_gate(&state, a.event.traceparent.clone()));
@@ -259,7 +251,7 @@ pub async fn record_batch(
     // 3. Insert candidate intents; the unique key index decides who is first. Intents that
     //    need a person's approval are recorded parked and answered as such.
     if !to_insert.is_empty() {
-        let acts: Vec<&KeyedAction> = to_insert.iter().map(|i| action_of(*i)).collect();
+        let acts: Vec<&KeyedAction> = to_insert.clone();
         let col =
             |f: &dyn Fn(&KeyedAction) -> String| acts.iter().map(|a| f(a)).collect::<Vec<String>>();
         let keys = col(&|a| a.key.clone());
@@ -351,8 +343,7 @@ pub async fn record_batch(
             .map(|r| (r.get::<_, String>(2), r.get::<_, i64>(0)))
             .collect();
         let mut recorded: Vec<(&KeyedAction, i64)> = Vec::new();
-        for i in &to_insert {
-            let a = action_of(*i);
+        for &a in &to_insert {
             match by_event.get(&a.event.id) {
                 Some(id) => {
                     deliveries.push(Some(*id), &a.key, &a.event.id, &a.pos, Origin::First, true);
@@ -360,7 +351,7 @@ pub async fn record_batch(
                     recorded.push((a, *id));
                 }
                 // Another delivery recorded this key first.
-                None => pending.push((*i, Origin::Replay)),
+                None => pending.push((a, Origin::Replay)),
             }
         }
 
@@ -419,13 +410,7 @@ pub async fn record_batch(
 
     // 5. Repeats: compare with the stored key, answer now or wait for it to resolve.
     if !pending.is_empty() {
-        let keys: Vec<String> = pending
-            .iter()
-            .filter_map(|(i, _)| match &items[*i] {
-                Incoming::Action(a) => Some(a.key.clone()),
-                Incoming::Rejected { .. } => None,
-            })
-            .collect();
+        let keys: Vec<&str> = pending.iter().map(|(a, _)| a.key.as_str()).collect();
         let mut existing: HashMap<String, StoredKey> = HashMap::new();
         for row in tx
             .query(&tx.prepare_cached(SELECT_KEYS_FOR_SHARE).await?, &[&keys])
@@ -434,10 +419,7 @@ pub async fn record_batch(
             let stored = stored_key(&row);
             existing.insert(stored.state.key.clone(), stored);
         }
-        for (i, hint) in pending {
-            let Incoming::Action(a) = &items[i] else {
-                continue;
-            };
+        for (a, hint) in pending {
             let stored = existing.get(&a.key);
             match classify::repeat(hint, a, stored, refused.get(a.key.as_str())) {
                 Repeat::ProducerRetry { intent } => {
