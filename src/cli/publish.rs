@@ -14,17 +14,22 @@ use idem::config::Config;
 
 #[derive(Args)]
 pub struct Publish {
+    /// The relay's config file: brokers and topics are read from it.
     #[arg(long)]
     pub config: PathBuf,
+    /// A tool named in the config.
     #[arg(long)]
     pub tool: String,
+    /// The agent run this action belongs to (also the Kafka key unless `--key` is given).
     #[arg(long)]
     pub run_id: String,
     /// The action's args, a JSON object.
     #[arg(long, default_value = "{}")]
     pub args: String,
+    /// What the action is about, for keys and reattempt limits (an order id, a ticket).
     #[arg(long)]
     pub business_id: Option<String>,
+    /// The step of the run that asks for it.
     #[arg(long)]
     pub step: Option<i64>,
     /// The orchestrator's own idempotency key (otherwise the tool's key template decides).
