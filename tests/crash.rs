@@ -125,11 +125,7 @@ async fn crash_after_the_effect_without_verify_is_parked_unknown_then_resolved()
         ])
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    common::assert_succeeded("idem resolve", &out);
     let done = outcomes.answer("e1", "succeeded").await;
     assert_eq!(done["data"]["result"]["resolved_by"], "ops@oncall");
     let e = common::explain(&env, "r2:send_email:b1").await;

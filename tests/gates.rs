@@ -92,11 +92,7 @@ async fn approval_gates_execution_and_binds_to_the_request() {
         .output()
         .await
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    common::assert_succeeded("idem approve", &out);
     let done = outcomes.answer("e1", "succeeded").await;
     assert_eq!(done["data"]["duplicate"], false);
     assert_eq!(env.downstream.effects(key), 1);

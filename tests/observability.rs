@@ -22,12 +22,7 @@ fn alert_rules_pass_their_promtool_tests() {
         .current_dir(root().join("deploy/prometheus"))
         .output()
         .expect("promtool runs (deploy/test.sh installs Debian's prometheus package)");
-    assert!(
-        out.status.success(),
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    common::assert_succeeded("promtool", &out);
 }
 
 /// `idem_*` names in a PromQL expression, histogram suffixes folded into their family.

@@ -32,11 +32,7 @@ fn superuser(sql: &str) {
         .current_dir("/")
         .output()
         .expect("runuser and psql are installed by deploy/local/services.sh");
-    assert!(
-        out.status.success(),
-        "psql as superuser failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    common::assert_succeeded("psql as superuser", &out);
 }
 
 /// Makes every transaction of the cluster read-only until dropped (also when the test fails,

@@ -646,12 +646,7 @@ sys.exit(1 if bad or not events else 0)\n";
             .output()
             .await
             .expect("python3 runs");
-        assert!(
-            out.status.success(),
-            "{name}: {}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
+        common::assert_succeeded(name, &out);
     }
 }
 

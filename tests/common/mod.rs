@@ -739,3 +739,13 @@ retry = {{ max_attempts = 3, initial_backoff = "10ms", max_backoff = "50ms" }}
 "#
     )
 }
+
+/// Asserts that a command of the CLI (or a helper tool) succeeded, showing what it printed.
+pub fn assert_succeeded(what: &str, out: &std::process::Output) {
+    assert!(
+        out.status.success(),
+        "{what} failed: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
