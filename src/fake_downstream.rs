@@ -44,6 +44,11 @@ pub enum Step {
         #[serde(default)]
         retry_after: Option<u64>,
     },
+    /// Answers with a redirect to `location`, performing nothing.
+    Redirect {
+        status: u16,
+        location: String,
+    },
 }
 
 #[derive(Default)]
@@ -277,6 +282,14 @@ async fn effect(
             if let Some(s) = retry_after {
                 r.headers_mut()
                     .insert("retry-after", s.to_string().parse().expect("digits"));
+            }
+            r
+        }
+        Step::Redirect { status, location } => {
+            let code = StatusCode::from_u16(status).unwrap_or(StatusCode::TEMPORARY_REDIRECT);
+            let mut r = code.into_response();
+            if let Ok(v) = location.parse() {
+                r.headers_mut().insert("location", v);
             }
             r
         }

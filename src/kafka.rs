@@ -213,18 +213,12 @@ pub async fn ensure_topics(cfg: &KafkaConfig) -> Result<(), KafkaError> {
     let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
         .set("bootstrap.servers", &cfg.brokers)
         .create()?;
+    // -1 asks the broker for its `default.replication.factor` (brokers since Kafka 2.4).
+    let replication = || TopicReplication::Fixed(cfg.replication_factor.unwrap_or(-1));
     let topics = [
-        NewTopic::new(
-            &cfg.actions_topic,
-            cfg.partitions,
-            TopicReplication::Fixed(1),
-        ),
-        NewTopic::new(
-            &cfg.outcomes_topic,
-            cfg.partitions,
-            TopicReplication::Fixed(1),
-        ),
-        NewTopic::new(&cfg.dlq_topic, 1, TopicReplication::Fixed(1)),
+        NewTopic::new(&cfg.actions_topic, cfg.partitions, replication()),
+        NewTopic::new(&cfg.outcomes_topic, cfg.partitions, replication()),
+        NewTopic::new(&cfg.dlq_topic, 1, replication()),
     ];
     let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(30)));
     for result in admin.create_topics(&topics, &opts).await? {

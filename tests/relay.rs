@@ -828,3 +828,79 @@ async fn a_dead_letter_that_cannot_be_written_rewinds_its_batch_and_loses_nothin
     assert_eq!(env.downstream.total_effects(), 1);
     relay.stop().await;
 }
+
+/// A downstream that answers 307 to another host: the redirect is not followed (a re-sent POST
+/// could perform the effect somewhere nobody asked for), the action is `failed` with the
+/// status, and the other host sees no request.
+#[tokio::test]
+async fn a_redirect_is_not_followed_and_fails_the_action() {
+    let env = Env::new().await;
+    let elsewhere = idem::fake_downstream::FakeDownstream::new(false);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let other = listener.local_addr().unwrap();
+    let stop = tokio_util::sync::CancellationToken::new();
+    tokio::spawn(elsewhere.clone().serve(listener, stop.clone()));
+    let key = "run_r:send_email:order_r";
+    env.downstream.script(
+        Some(key),
+        vec![idem::fake_downstream::Step::Redirect {
+            status: 307,
+            location: format!("http://{other}/v1/send_email"),
+        }],
+    );
+    let outcomes = env.outcomes().await;
+    let relay = env.start(env.config(EMAIL, "").await).await;
+    env.producer()
+        .send(&action("evt-r", email("run_r", "order_r", "Your refund")))
+        .await;
+    let o = outcomes.answer("evt-r", "failed").await;
+    assert_eq!(o["data"]["error"]["code"], "downstream_rejected", "{o}");
+    assert_eq!(o["data"]["error"]["retryable"], false);
+    assert!(
+        o["data"]["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("307"),
+        "{o}"
+    );
+    assert_eq!(o["data"]["attempts"], 1, "a redirect is not retried");
+    assert_eq!(env.downstream.requests(), 1);
+    assert_eq!(env.downstream.effects(key), 0);
+    assert_eq!(elsewhere.requests(), 0, "the redirect was followed");
+    relay.stop().await;
+    stop.cancel();
+}
+
+/// Topics the relay creates get the broker's default replication unless
+/// `kafka.replication_factor` says otherwise; a factor the cluster cannot meet (2 on the single
+/// local broker) is refused by the broker, and the relay says so instead of creating a topic
+/// that could lose actions.
+#[tokio::test]
+async fn topics_get_the_brokers_replication_unless_the_config_names_one() {
+    let env = Env::new().await;
+    let text = env.config_text(EMAIL, "");
+    let config = idem::config::Config::from_toml(&text, |_| None).unwrap();
+    assert_eq!(config.kafka.replication_factor, None);
+    let mut fresh = config.kafka.clone();
+    fresh.actions_topic = format!("{}.rf-default", env.actions);
+    fresh.outcomes_topic = format!("{}.rf-default", env.outcomes);
+    fresh.dlq_topic = format!("{}.rf-default", env.dlq);
+    idem::kafka::ensure_topics(&fresh)
+        .await
+        .expect("broker-default replication creates the topics");
+
+    let text = text.replace("partitions = 6", "partitions = 6\nreplication_factor = 2");
+    let config = idem::config::Config::from_toml(&text, |_| None).unwrap();
+    assert_eq!(config.kafka.replication_factor, Some(2));
+    let mut two = config.kafka.clone();
+    two.actions_topic = format!("{}.rf-two", env.actions);
+    two.outcomes_topic = format!("{}.rf-two", env.outcomes);
+    two.dlq_topic = format!("{}.rf-two", env.dlq);
+    let e = idem::kafka::ensure_topics(&two)
+        .await
+        .expect_err("one broker cannot hold two replicas");
+    assert!(
+        format!("{e}").to_lowercase().contains("replication"),
+        "the error names the replication factor: {e}"
+    );
+}

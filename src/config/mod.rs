@@ -93,6 +93,10 @@ executor = { kind = "http", url = "http://127.0.0.1:8787/v1/send_email" }
             ("[relay]\nbatch_linger = \"soon\"\n", "relay.batch_linger"),
             ("[kafka]\npartitions = 0\n", "kafka.partitions"),
             (
+                "[kafka]\nreplication_factor = 0\n",
+                "kafka.replication_factor",
+            ),
+            (
                 "[kafka]\nactions_topic = \"bad topic\"\n",
                 "kafka.actions_topic",
             ),
@@ -274,7 +278,8 @@ executor = { kind = "sql", statement = "insert into t values ($1, $2) returning 
         assert_eq!(t.classify(429), StatusClass::Retry);
         assert_eq!(t.classify(503), StatusClass::Retry);
         assert_eq!(t.classify(500), StatusClass::Unknown);
-        assert_eq!(t.classify(302), StatusClass::Unknown);
+        assert_eq!(t.classify(302), StatusClass::Failed);
+        assert_eq!(t.classify(307), StatusClass::Failed);
         let text = MINIMAL_TOOL.replace("}", ", status = { failed = [409], retry = [500] } }");
         let c = Config::from_toml(&text, no_env).unwrap();
         let ExecutorKind::Http(h) = &c.tools[0].executor else {

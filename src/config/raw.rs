@@ -28,6 +28,7 @@ pub(super) struct RawKafka {
     pub(super) outcomes_topic: String,
     pub(super) dlq_topic: String,
     pub(super) partitions: i32,
+    pub(super) replication_factor: Option<i32>,
     pub(super) create_topics: bool,
     /// Extra librdkafka properties for the consumer and the producer.
     pub(super) consumer: BTreeMap<String, String>,
@@ -43,6 +44,7 @@ impl Default for RawKafka {
             outcomes_topic: "idem.outcomes".into(),
             dlq_topic: "idem.actions.dlq".into(),
             partitions: 6,
+            replication_factor: None,
             create_topics: true,
             consumer: BTreeMap::new(),
             producer: BTreeMap::new(),

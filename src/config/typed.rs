@@ -27,6 +27,9 @@ pub struct KafkaConfig {
     pub dlq_topic: String,
     /// Partition count used when the relay creates a missing topic.
     pub partitions: i32,
+    /// Replication of the topics the relay creates; `None`: the broker's
+    /// `default.replication.factor`.
+    pub replication_factor: Option<i32>,
     /// Create missing topics at start (the local broker has auto creation off).
     pub create_topics: bool,
     pub consumer_overrides: BTreeMap<String, String>,
@@ -254,6 +257,8 @@ impl StatusTable {
         }
         match status {
             200..=299 => StatusClass::Succeeded,
+            // Redirects are not followed: the effect was not performed where it was asked for.
+            300..=399 => StatusClass::Failed,
             503 if self.unavailable_is_ambiguous => StatusClass::Unknown,
             408 | 409 | 425 | 429 | 503 => StatusClass::Retry,
             400..=499 => StatusClass::Failed,

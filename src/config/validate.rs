@@ -87,6 +87,12 @@ impl Config {
         if k.partitions < 1 {
             return Err(invalid("kafka.partitions", "must be at least 1"));
         }
+        if k.replication_factor.is_some_and(|r| r < 1) {
+            return Err(invalid(
+                "kafka.replication_factor",
+                "must be at least 1 (leave it out for the broker's default)",
+            ));
+        }
         let actions_topic = topic("kafka.actions_topic", &k.actions_topic)?;
         let outcomes_topic = topic("kafka.outcomes_topic", &k.outcomes_topic)?;
         let dlq_topic = topic("kafka.dlq_topic", &k.dlq_topic)?;
@@ -190,6 +196,7 @@ impl Config {
                 outcomes_topic,
                 dlq_topic,
                 partitions: k.partitions,
+                replication_factor: k.replication_factor,
                 create_topics: k.create_topics,
                 consumer_overrides: k.consumer,
                 producer_overrides: k.producer,

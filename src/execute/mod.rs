@@ -180,6 +180,8 @@ impl Executor {
             .collect();
         let http = reqwest::Client::builder()
             .connect_timeout(Duration::from_secs(5))
+            // A 3xx is the downstream's answer, never a re-send of the effect to another host.
+            .redirect(reqwest::redirect::Policy::none())
             .pool_max_idle_per_host(config.relay.concurrency)
             .build()
             .expect("http client builds");
