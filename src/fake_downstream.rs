@@ -39,15 +39,16 @@ pub enum Step {
     Delay {
         delay_ms: u64,
     },
+    /// Answers with a redirect to `location`, performing nothing. (Before `Status`: untagged
+    /// variants are tried in order, and this one has a field more.)
+    Redirect {
+        status: u16,
+        location: String,
+    },
     Status {
         status: u16,
         #[serde(default)]
         retry_after: Option<u64>,
-    },
-    /// Answers with a redirect to `location`, performing nothing.
-    Redirect {
-        status: u16,
-        location: String,
     },
 }
 
@@ -360,4 +361,35 @@ async fn script(State(d): State<FakeDownstream>, Json(body): Json<ScriptBody>) -
         (false, key) => d.script(key, body.steps),
     }
     StatusCode::NO_CONTENT
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn script_steps_read_from_json() {
+        let steps: Vec<Step> = serde_json::from_value(json!([
+            "effect_then_500",
+            {"delay_ms": 5},
+            {"status": 503, "retry_after": 1},
+            {"status": 307, "location": "http://elsewhere/v1/x"},
+        ]))
+        .unwrap();
+        assert_eq!(
+            steps,
+            [
+                Step::Named("effect_then_500".into()),
+                Step::Delay { delay_ms: 5 },
+                Step::Status {
+                    status: 503,
+                    retry_after: Some(1)
+                },
+                Step::Redirect {
+                    status: 307,
+                    location: "http://elsewhere/v1/x".into()
+                },
+            ]
+        );
+    }
 }
