@@ -114,63 +114,15 @@ pub fn decode_action(
         )
     })?;
 
-    let (id, source, ty, specversion, time, traceparent, data) = if header(
-        headers,
-        "ce_specversion",
-    )
-    .is_some()
-    {
-        (
-            header_str(headers, "ce_id")?,
-            header_str(headers, "ce_source")?,
-            header_str(headers, "ce_type")?,
-            header_str(headers, "ce_specversion")?,
-            header_str(headers, "ce_time")?,
-            header_str(headers, "ce_traceparent")?.or(header_str(headers, "traceparent")?),
-            Some(body),
-        )
-    } else {
-        let Value::Object(mut event) = body else {
-            return Err(BadAction::new(
-                    DeadLetterReason::NotCloudEvent,
-                    "payload is not a JSON object with CloudEvents attributes, and there are no ce_* headers",
-                ));
-        };
-        if !event.contains_key("specversion") {
-            return Err(BadAction::new(
-                    DeadLetterReason::NotCloudEvent,
-                    "no specversion attribute (structured mode) and no ce_specversion header (binary mode)",
-                ));
-        }
-        let mut text = |name: &str| -> Result<Option<String>, BadAction> {
-            match event.remove(name) {
-                None | Some(Value::Null) => Ok(None),
-                Some(Value::String(s)) => Ok(Some(s)),
-                Some(_) => Err(BadAction::new(
-                    DeadLetterReason::NotCloudEvent,
-                    format!("attribute {name} must be a string"),
-                )),
-            }
-        };
-        let id = text("id")?;
-        let source = text("source")?;
-        let ty = text("type")?;
-        let specversion = text("specversion")?;
-        let time = text("time")?;
-        let traceparent = match text("traceparent")? {
-            Some(t) => Some(t),
-            None => header_str(headers, "traceparent")?,
-        };
-        (
-            id,
-            source,
-            ty,
-            specversion,
-            time,
-            traceparent,
-            event.remove("data"),
-        )
-    };
+    let Envelope {
+        id,
+        source,
+        ty,
+        specversion,
+        time,
+        traceparent,
+        data,
+    } = envelope(body, headers)?;
 
     let need = |v: Option<String>, name: &str| {
         v.filter(|s| !s.is_empty()).ok_or_else(|| {
@@ -213,37 +165,7 @@ pub fn decode_action(
     }
     let data: ActionData = serde_json::from_value(data)
         .map_err(|e| fail(DeadLetterReason::SchemaInvalid, format!("data: {e}")))?;
-    for (name, value) in [
-        ("id", Some(id.as_str())),
-        ("data.run_id", Some(data.run_id.as_str())),
-        ("data.tool", Some(data.tool.as_str())),
-        ("data.business_id", data.business_id.as_deref()),
-    ] {
-        if value.is_some_and(|v| v.len() > MAX_ID_BYTES || v.contains('\0')) {
-            return Err(fail(
-                DeadLetterReason::SchemaInvalid,
-                format!("{name} must be at most {MAX_ID_BYTES} bytes, without NUL"),
-            ));
-        }
-    }
-    if data.run_id.is_empty() {
-        return Err(fail(
-            DeadLetterReason::SchemaInvalid,
-            "data.run_id must not be empty".into(),
-        ));
-    }
-    if data.tool.is_empty() {
-        return Err(fail(
-            DeadLetterReason::SchemaInvalid,
-            "data.tool must not be empty".into(),
-        ));
-    }
-    if data.step.is_some_and(|s| s < 0) {
-        return Err(fail(
-            DeadLetterReason::SchemaInvalid,
-            "data.step must be >= 0".into(),
-        ));
-    }
+    check_data(&id, &data).map_err(|detail| fail(DeadLetterReason::SchemaInvalid, detail))?;
     if let Some(traceparent) = &traceparent {
         if !valid_traceparent(traceparent) {
             return Err(fail(
@@ -259,6 +181,101 @@ pub fn decode_action(
         traceparent,
         data,
     })
+}
+
+/// The CloudEvents attributes and data of a message, in either mode, not yet checked.
+struct Envelope {
+    id: Option<String>,
+    source: Option<String>,
+    ty: Option<String>,
+    specversion: Option<String>,
+    time: Option<String>,
+    traceparent: Option<String>,
+    data: Option<Value>,
+}
+
+/// Reads the attributes from `ce_*` headers (binary mode) or from the JSON object itself
+/// (structured mode).
+fn envelope(body: Value, headers: &Headers<'_>) -> Result<Envelope, BadAction> {
+    if header(headers, "ce_specversion").is_some() {
+        Ok(Envelope {
+            id: header_str(headers, "ce_id")?,
+            source: header_str(headers, "ce_source")?,
+            ty: header_str(headers, "ce_type")?,
+            specversion: header_str(headers, "ce_specversion")?,
+            time: header_str(headers, "ce_time")?,
+            traceparent: header_str(headers, "ce_traceparent")?
+                .or(header_str(headers, "traceparent")?),
+            data: Some(body),
+        })
+    } else {
+        let Value::Object(mut event) = body else {
+            return Err(BadAction::new(
+                    DeadLetterReason::NotCloudEvent,
+                    "payload is not a JSON object with CloudEvents attributes, and there are no ce_* headers",
+                ));
+        };
+        if !event.contains_key("specversion") {
+            return Err(BadAction::new(
+                    DeadLetterReason::NotCloudEvent,
+                    "no specversion attribute (structured mode) and no ce_specversion header (binary mode)",
+                ));
+        }
+        let mut text = |name: &str| -> Result<Option<String>, BadAction> {
+            match event.remove(name) {
+                None | Some(Value::Null) => Ok(None),
+                Some(Value::String(s)) => Ok(Some(s)),
+                Some(_) => Err(BadAction::new(
+                    DeadLetterReason::NotCloudEvent,
+                    format!("attribute {name} must be a string"),
+                )),
+            }
+        };
+        let id = text("id")?;
+        let source = text("source")?;
+        let ty = text("type")?;
+        let specversion = text("specversion")?;
+        let time = text("time")?;
+        let traceparent = match text("traceparent")? {
+            Some(t) => Some(t),
+            None => header_str(headers, "traceparent")?,
+        };
+        Ok(Envelope {
+            id,
+            source,
+            ty,
+            specversion,
+            time,
+            traceparent,
+            data: event.remove("data"),
+        })
+    }
+}
+
+/// The checks on an action's data that its schema cannot say: sizes, NULs, empty names.
+fn check_data(id: &str, data: &ActionData) -> Result<(), String> {
+    for (name, value) in [
+        ("id", Some(id)),
+        ("data.run_id", Some(data.run_id.as_str())),
+        ("data.tool", Some(data.tool.as_str())),
+        ("data.business_id", data.business_id.as_deref()),
+    ] {
+        if value.is_some_and(|v| v.len() > MAX_ID_BYTES || v.contains('\0')) {
+            return Err(format!(
+                "{name} must be at most {MAX_ID_BYTES} bytes, without NUL"
+            ));
+        }
+    }
+    if data.run_id.is_empty() {
+        return Err("data.run_id must not be empty".into());
+    }
+    if data.tool.is_empty() {
+        return Err("data.tool must not be empty".into());
+    }
+    if data.step.is_some_and(|s| s < 0) {
+        return Err("data.step must be >= 0".into());
+    }
+    Ok(())
 }
 
 fn partial_from(event_id: &str, data: &Value, kafka_key: Option<&[u8]>) -> Option<PartialAction> {

@@ -101,6 +101,16 @@ impl KeyedAction {
         }
     }
 
+    /// Recorded parked, waiting for a person's approval.
+    fn parked_at_record(&self) -> bool {
+        self.gates.approval && self.class != ToolClass::ReadOnly
+    }
+
+    /// Recorded claimed by the relay that records it, its first call opened.
+    fn claimed_at_record(&self) -> bool {
+        !self.parked_at_record() && self.claim_at_record
+    }
+
     fn event_time(&self) -> Option<DateTime<Utc>> {
         self.event
             .time

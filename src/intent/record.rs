@@ -7,7 +7,6 @@ use deadpool_postgres::Transaction;
 use serde_json::Value;
 use tokio_postgres::Row;
 
-use crate::config::ToolClass;
 use crate::db::DbError;
 use crate::gates::{self, count_runs, Counted};
 use crate::intent::classify::{self, Arrival, Repeat, StoredKey};
@@ -81,6 +80,103 @@ fn stored_key(row: &Row) -> StoredKey {
             at: row.get("at"),
         },
     }
+}
+
+/// Inserts the candidate intents in one statement, one array per column; the unique key
+/// index decides who is first. `limited`: some of them count against per-run limits, so their
+/// first calls are opened only once counted. Returns the new intents' ids by event id (a key
+/// recorded first by another delivery is missing).
+async fn insert_intents(
+    tx: &Transaction<'_>,
+    acts: &[&KeyedAction],
+    claimant: Claimant<'_>,
+    limited: bool,
+) -> Result<HashMap<String, i64>, DbError> {
+    let col =
+        |f: &dyn Fn(&KeyedAction) -> String| acts.iter().map(|a| f(a)).collect::<Vec<String>>();
+    let keys = col(&|a| a.key.clone());
+    let tools = col(&|a| a.tool.clone());
+    let classes = col(&|a| a.class.as_str().to_string());
+    let runs = col(&|a| a.event.data.run_id.clone());
+    let steps: Vec<Option<i64>> = acts.iter().map(|a| a.event.data.step).collect();
+    let business: Vec<Option<String>> = acts
+        .iter()
+        .map(|a| a.event.data.business_id.clone())
+        .collect();
+    let args: Vec<Value> = acts
+        .iter()
+        .map(|a| Value::Object(a.event.data.args.clone()))
+        .collect();
+    let material: Vec<Value> = acts
+        .iter()
+        .map(|a| Value::Object(a.material.clone()))
+        .collect();
+    let fps = col(&|a| a.fingerprint.clone());
+    let hashes = col(&|a| a.args_hash.clone());
+    let events = col(&|a| a.event.id.clone());
+    let topics = col(&|a| a.pos.topic.clone());
+    let partitions: Vec<i32> = acts.iter().map(|a| a.pos.partition).collect();
+    let offsets: Vec<i64> = acts.iter().map(|a| a.pos.offset).collect();
+    let traces: Vec<Option<String>> = acts.iter().map(|a| a.event.traceparent.clone()).collect();
+    let times: Vec<Option<DateTime<Utc>>> = acts.iter().map(|a| a.event_time()).collect();
+    let statuses: Vec<&str> = acts
+        .iter()
+        .map(|a| {
+            if a.parked_at_record() {
+                IntentStatus::PendingApproval
+            } else if a.claimed_at_record() {
+                IntentStatus::Running
+            } else {
+                IntentStatus::Pending
+            }
+            .as_str()
+        })
+        .collect();
+    let seqs: Vec<i32> = acts
+        .iter()
+        .map(|a| i32::from(a.parked_at_record()))
+        .collect();
+    let owners: Vec<Option<&str>> = acts
+        .iter()
+        .map(|a| a.claimed_at_record().then_some(claimant.owner))
+        .collect();
+    let insert = if limited {
+        INSERT_INTENTS
+    } else {
+        INSERT_INTENTS_OPENING_CALLS
+    };
+    let rows = tx
+        .query(
+            &tx.prepare_cached(insert).await?,
+            &[
+                &keys,
+                &tools,
+                &classes,
+                &runs,
+                &steps,
+                &business,
+                &args,
+                &material,
+                &fps,
+                &hashes,
+                &events,
+                &topics,
+                &partitions,
+                &offsets,
+                &traces,
+                &times,
+                &statuses,
+                &seqs,
+                &owners,
+                &claimant.lease_secs,
+            ],
+        )
+        .await?;
+    // Read-only rows never conflict, so map returned rows back by event id.
+    Ok(rows
+        .iter()
+        .map(|r| (r.get::<_, String>(2), r.get::<_, i64>(0)))
+        .collect())
 }
 
 /// Records one batch of consumed messages in a single transaction. Only after it commits may the
@@ -251,97 +347,13 @@ pub async fn record_batch(
     // 3. Insert candidate intents; the unique key index decides who is first. Intents that
     //    need a person's approval are recorded parked and answered as such.
     if !to_insert.is_empty() {
-        let acts: Vec<&KeyedAction> = to_insert.clone();
-        let col =
-            |f: &dyn Fn(&KeyedAction) -> String| acts.iter().map(|a| f(a)).collect::<Vec<String>>();
-        let keys = col(&|a| a.key.clone());
-        let tools = col(&|a| a.tool.clone());
-        let classes = col(&|a| a.class.as_str().to_string());
-        let runs = col(&|a| a.event.data.run_id.clone());
-        let steps: Vec<Option<i64>> = acts.iter().map(|a| a.event.data.step).collect();
-        let business: Vec<Option<String>> = acts
-            .iter()
-            .map(|a| a.event.data.business_id.clone())
-            .collect();
-        let args: Vec<Value> = acts
-            .iter()
-            .map(|a| Value::Object(a.event.data.args.clone()))
-            .collect();
-        let material: Vec<Value> = acts
-            .iter()
-            .map(|a| Value::Object(a.material.clone()))
-            .collect();
-        let fps = col(&|a| a.fingerprint.clone());
-        let hashes = col(&|a| a.args_hash.clone());
-        let events = col(&|a| a.event.id.clone());
-        let topics = col(&|a| a.pos.topic.clone());
-        let partitions: Vec<i32> = acts.iter().map(|a| a.pos.partition).collect();
-        let offsets: Vec<i64> = acts.iter().map(|a| a.pos.offset).collect();
-        let traces: Vec<Option<String>> =
-            acts.iter().map(|a| a.event.traceparent.clone()).collect();
-        let times: Vec<Option<DateTime<Utc>>> = acts.iter().map(|a| a.event_time()).collect();
-        let parked = |a: &KeyedAction| a.gates.approval && a.class != ToolClass::ReadOnly;
-        let claims = |a: &KeyedAction| !parked(a) && a.claim_at_record;
-        let statuses: Vec<&str> = acts
-            .iter()
-            .map(|a| {
-                if parked(a) {
-                    IntentStatus::PendingApproval
-                } else if claims(a) {
-                    IntentStatus::Running
-                } else {
-                    IntentStatus::Pending
-                }
-                .as_str()
-            })
-            .collect();
-        let seqs: Vec<i32> = acts.iter().map(|a| i32::from(parked(a))).collect();
-        let owners: Vec<Option<&str>> = acts
-            .iter()
-            .map(|a| claims(a).then_some(claimant.owner))
-            .collect();
+        let acts: &[&KeyedAction] = &to_insert;
         // Without per-run limits nothing refuses a claimed row once inserted: its first call
         // is opened by the insert itself.
         let limited = acts
             .iter()
             .any(|a| a.gates.max_per_run.is_some() || a.gates.run_cap.is_some());
-        let insert = if limited {
-            INSERT_INTENTS
-        } else {
-            INSERT_INTENTS_OPENING_CALLS
-        };
-        let rows = tx
-            .query(
-                &tx.prepare_cached(insert).await?,
-                &[
-                    &keys,
-                    &tools,
-                    &classes,
-                    &runs,
-                    &steps,
-                    &business,
-                    &args,
-                    &material,
-                    &fps,
-                    &hashes,
-                    &events,
-                    &topics,
-                    &partitions,
-                    &offsets,
-                    &traces,
-                    &times,
-                    &statuses,
-                    &seqs,
-                    &owners,
-                    &claimant.lease_secs,
-                ],
-            )
-            .await?;
-        // Read-only rows never conflict, so map returned rows back by event id.
-        let by_event: HashMap<String, i64> = rows
-            .iter()
-            .map(|r| (r.get::<_, String>(2), r.get::<_, i64>(0)))
-            .collect();
+        let by_event = insert_intents(tx, acts, claimant, limited).await?;
         let mut recorded: Vec<(&KeyedAction, i64)> = Vec::new();
         for &a in &to_insert {
             match by_event.get(&a.event.id) {
@@ -384,14 +396,14 @@ pub async fn record_batch(
                 result
                     .rejections
                     .push((a.tool.clone(), ErrorCode::RunLimitExceeded.as_str()));
-            } else if parked(a) {
+            } else if a.parked_at_record() {
                 let state = a.state(OutcomeStatus::PendingApproval, None);
                 outbox.push(answer::status_change(
                     &state,
                     1,
                     a.event.traceparent.clone(),
                 ));
-            } else if claims(a) {
+            } else if a.claimed_at_record() {
                 result.claimed.push(a.claimed(id));
             } else {
                 result.new_intents.push((id, a.tool.clone()));
