@@ -4,9 +4,11 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
+use deadpool_postgres::Pool;
 use rdkafka::consumer::Consumer;
 use tokio::net::TcpListener;
 use tokio::sync::Notify;
+use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{Config, ExecutorKind, ToolClass};
@@ -68,27 +70,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Handle
     check_schema(&pool).await?;
     warn_about_gates(&config);
 
-    if config.kafka.create_topics {
-        kafka::ensure_topics(&config.kafka).await?;
-    }
-    let kafka_up = Arc::new(AtomicBool::new(false));
-    let consumer = Arc::new(kafka::consumer(
-        &config.kafka,
-        RelayContext {
-            metrics: metrics.clone(),
-            actions_topic: config.kafka.actions_topic.clone(),
-            brokers_up: kafka_up.clone(),
-        },
-    )?);
-    consumer.subscribe(&[&config.kafka.actions_topic])?;
-    // Topics exist (or were checked) and the broker answered: ready for traffic.
-    consumer.fetch_metadata(
-        Some(&config.kafka.actions_topic),
-        std::time::Duration::from_secs(10),
-    )?;
-    kafka_up.store(true, Ordering::Relaxed);
-    let producer = kafka::SharedProducer::new(&config.kafka)?;
-
+    let kafka = connect_kafka(&config, &metrics).await?;
     let listener = TcpListener::bind(config.admin.listen)
         .await
         .map_err(|source| RelayError::Listen {
@@ -102,71 +84,24 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Handle
     let router = admin::router(AdminState {
         metrics: metrics.clone(),
         pool: maintenance.clone(),
-        kafka_up,
+        kafka_up: kafka.up.clone(),
         token: config.admin.token.clone().map(Arc::new),
         schema: config.postgres.schema.clone(),
     });
-
     let control = db::control_pool(&config.postgres)?;
     let executor = Executor::new(config.clone(), pool.clone(), control, metrics.clone());
-    let wake = Arc::new(Notify::new());
-    let stop_background = CancellationToken::new();
-    let publisher_drained = CancellationToken::new();
 
-    let consume = Consume {
+    let tasks = Tasks::spawn(Stages {
         config: config.clone(),
-        consumer: consumer.clone(),
-        producer: producer.clone(),
-        pool: pool.clone(),
-        executor: executor.clone(),
-        metrics: metrics.clone(),
-    };
-    let admin_stop = stop_background.clone();
-    let admin_task = tokio::spawn(async move {
-        use axum::serve::ListenerExt;
-        let listener = listener.tap_io(|tcp| {
-            let _ = tcp.set_nodelay(true);
-        });
-        let _ = axum::serve(listener, router)
-            .with_graceful_shutdown(async move { admin_stop.cancelled().await })
-            .await;
-    });
-    let listen_task = tokio::spawn(publish::listen(
-        config.clone(),
-        wake.clone(),
-        stop_background.clone(),
-    ));
-    // Several rounds in flight (SKIP LOCKED keeps their rows apart), so an outcome recorded
-    // during one round's wait for Kafka's acknowledgement does not wait for that round.
-    let publish_tasks: Vec<_> = (0..PUBLISHERS)
-        .map(|_| {
-            let publisher = Publisher {
-                config: config.clone(),
-                pool: pool.clone(),
-                producer: producer.clone(),
-                metrics: metrics.clone(),
-                wake: wake.clone(),
-            };
-            tokio::spawn(publisher.run(
-                stop_background.clone(),
-                publisher_drained.clone(),
-                config.relay.shutdown_grace,
-            ))
-        })
-        .collect();
-    let lease_task = tokio::spawn(executor.clone().keep_leases(stop_background.clone()));
-    let recovery_task = tokio::spawn(crate::recovery::run(
-        executor.clone(),
-        config.relay.recovery_interval,
-        stop_background.clone(),
-    ));
-    let consume_task = tokio::spawn(consume.run(shutdown.clone()));
-    let prune_task = tokio::spawn(prune_loop(
+        pool,
         maintenance,
-        config.clone(),
-        stop_background.clone(),
-    ));
-
+        metrics: metrics.clone(),
+        executor,
+        kafka,
+        listener,
+        router,
+        shutdown: shutdown.clone(),
+    });
     tracing::info!(
         admin = %admin_addr,
         instance = %config.relay.instance_id,
@@ -175,38 +110,200 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Handle
         tools = config.tools.len(),
         "relay started"
     );
-
-    let grace = config.relay.shutdown_grace;
-    let done = tokio::spawn(async move {
-        shutdown.cancelled().await;
-        tracing::info!("shutting down: consuming stopped, draining in-flight calls");
-        // Nothing queued starts any more, even while the consumer finishes its batch.
-        executor.stop_starting();
-        let _ = consume_task.await;
-        recovery_task.abort();
-        executor.drain(grace).await;
-        // Leases are kept until the calls are drained, then publishing gets its last round.
-        publisher_drained.cancel();
-        for task in publish_tasks {
-            let _ = task.await;
-        }
-        stop_background.cancel();
-        let _ = lease_task.await;
-        let _ = prune_task.await;
-        let _ = listen_task.await;
-        let _ = rdkafka::producer::Producer::flush(
-            &producer.get().1,
-            std::time::Duration::from_secs(10),
-        );
-        drop(consumer);
-        let _ = admin_task.await;
-        tracing::info!("relay stopped");
-    });
+    let done = tokio::spawn(tasks.stop_in_order(shutdown, config.relay.shutdown_grace));
     Ok(Handle {
         admin_addr,
         metrics,
         done,
     })
+}
+
+/// The relay's Kafka clients, connected and subscribed.
+struct KafkaClients {
+    consumer: Arc<kafka::ActionConsumer>,
+    producer: kafka::SharedProducer,
+    /// Whether the brokers answer; `/readyz` reads it, the consumer's context keeps it current.
+    up: Arc<AtomicBool>,
+}
+
+/// Creates topics (when configured), subscribes the consumer and waits for the broker's first
+/// answer, so a relay that started is ready for traffic.
+async fn connect_kafka(
+    config: &Config,
+    metrics: &Arc<Metrics>,
+) -> Result<KafkaClients, RelayError> {
+    if config.kafka.create_topics {
+        kafka::ensure_topics(&config.kafka).await?;
+    }
+    let up = Arc::new(AtomicBool::new(false));
+    let consumer = Arc::new(kafka::consumer(
+        &config.kafka,
+        RelayContext {
+            metrics: metrics.clone(),
+            actions_topic: config.kafka.actions_topic.clone(),
+            brokers_up: up.clone(),
+        },
+    )?);
+    consumer.subscribe(&[&config.kafka.actions_topic])?;
+    consumer.fetch_metadata(
+        Some(&config.kafka.actions_topic),
+        std::time::Duration::from_secs(10),
+    )?;
+    up.store(true, Ordering::Relaxed);
+    let producer = kafka::SharedProducer::new(&config.kafka)?;
+    Ok(KafkaClients {
+        consumer,
+        producer,
+        up,
+    })
+}
+
+/// What the background tasks are made from.
+struct Stages {
+    config: Arc<Config>,
+    /// The data path's pool (consume, execute, publish).
+    pool: Pool,
+    /// Pruning and the admin API.
+    maintenance: Pool,
+    metrics: Arc<Metrics>,
+    executor: Arc<Executor>,
+    kafka: KafkaClients,
+    listener: TcpListener,
+    router: axum::Router,
+    /// Cancelled by the caller: consuming stops first.
+    shutdown: CancellationToken,
+}
+
+/// The relay's background tasks, each one stopped at its place in the shutdown order.
+struct Tasks {
+    consume: JoinHandle<()>,
+    recovery: JoinHandle<()>,
+    /// Stops starting queued calls and drains those in flight.
+    executor: Arc<Executor>,
+    /// Several rounds in flight, so a round waiting for Kafka's acknowledgement does not hold
+    /// up an outcome recorded meanwhile (SKIP LOCKED keeps their rows apart).
+    publishers: Vec<JoinHandle<()>>,
+    /// Cancelled once calls are drained: the publishers' last round.
+    publisher_drained: CancellationToken,
+    /// Cancelled last: leases, pruning, LISTEN and the admin listener.
+    stop_background: CancellationToken,
+    leases: JoinHandle<()>,
+    prune: JoinHandle<()>,
+    listen: JoinHandle<()>,
+    admin: JoinHandle<()>,
+    /// Flushed before the relay returns, so an outcome handed to it is not dropped.
+    producer: kafka::SharedProducer,
+    /// Held until the end so the group's members leave only once the offsets are final.
+    consumer: Arc<kafka::ActionConsumer>,
+}
+
+impl Tasks {
+    fn spawn(s: Stages) -> Tasks {
+        let Stages {
+            config,
+            pool,
+            maintenance,
+            metrics,
+            executor,
+            kafka,
+            listener,
+            router,
+            shutdown,
+        } = s;
+        let wake = Arc::new(Notify::new());
+        let stop_background = CancellationToken::new();
+        let publisher_drained = CancellationToken::new();
+
+        let admin_stop = stop_background.clone();
+        let admin = tokio::spawn(async move {
+            use axum::serve::ListenerExt;
+            let listener = listener.tap_io(|tcp| {
+                let _ = tcp.set_nodelay(true);
+            });
+            let _ = axum::serve(listener, router)
+                .with_graceful_shutdown(async move { admin_stop.cancelled().await })
+                .await;
+        });
+        let listen = tokio::spawn(publish::listen(
+            config.clone(),
+            wake.clone(),
+            stop_background.clone(),
+        ));
+        let publishers = (0..PUBLISHERS)
+            .map(|_| {
+                let publisher = Publisher {
+                    config: config.clone(),
+                    pool: pool.clone(),
+                    producer: kafka.producer.clone(),
+                    metrics: metrics.clone(),
+                    wake: wake.clone(),
+                };
+                tokio::spawn(publisher.run(
+                    stop_background.clone(),
+                    publisher_drained.clone(),
+                    config.relay.shutdown_grace,
+                ))
+            })
+            .collect();
+        let leases = tokio::spawn(executor.clone().keep_leases(stop_background.clone()));
+        let recovery = tokio::spawn(crate::recovery::run(
+            executor.clone(),
+            config.relay.recovery_interval,
+            stop_background.clone(),
+        ));
+        let consume = Consume {
+            config: config.clone(),
+            consumer: kafka.consumer.clone(),
+            producer: kafka.producer.clone(),
+            pool,
+            executor: executor.clone(),
+            metrics,
+        };
+        let consume = tokio::spawn(consume.run(shutdown));
+        let prune = tokio::spawn(prune_loop(maintenance, config, stop_background.clone()));
+        Tasks {
+            consume,
+            recovery,
+            executor,
+            publishers,
+            publisher_drained,
+            stop_background,
+            leases,
+            prune,
+            listen,
+            admin,
+            producer: kafka.producer,
+            consumer: kafka.consumer,
+        }
+    }
+
+    /// Waits for `shutdown`, then stops the stages in pipeline order so nothing recorded is
+    /// left unpublished.
+    async fn stop_in_order(self, shutdown: CancellationToken, grace: std::time::Duration) {
+        shutdown.cancelled().await;
+        tracing::info!("shutting down: consuming stopped, draining in-flight calls");
+        // Nothing queued starts any more, even while the consumer finishes its batch.
+        self.executor.stop_starting();
+        let _ = self.consume.await;
+        self.recovery.abort();
+        self.executor.drain(grace).await;
+        // Leases are kept until the calls are drained, then publishing gets its last round.
+        self.publisher_drained.cancel();
+        for task in self.publishers {
+            let _ = task.await;
+        }
+        self.stop_background.cancel();
+        let _ = self.leases.await;
+        let _ = self.prune.await;
+        let _ = self.listen.await;
+        let _ = rdkafka::producer::Producer::flush(
+            &self.producer.get().1,
+            std::time::Duration::from_secs(10),
+        );
+        drop(self.consumer);
+        let _ = self.admin.await;
+        tracing::info!("relay stopped");
+    }
 }
 
 /// Start-up warnings for configs that leave a dangerous effect unprotected.
@@ -238,11 +335,7 @@ fn warn_about_gates(config: &Config) {
 }
 
 /// Prunes expired keys every `prune_interval`, in every relay (rows are locked SKIP LOCKED).
-async fn prune_loop(
-    pool: deadpool_postgres::Pool,
-    config: Arc<Config>,
-    shutdown: CancellationToken,
-) {
+async fn prune_loop(pool: Pool, config: Arc<Config>, shutdown: CancellationToken) {
     loop {
         tokio::select! {
             _ = shutdown.cancelled() => return,
@@ -256,7 +349,7 @@ async fn prune_loop(
     }
 }
 
-async fn check_schema(pool: &deadpool_postgres::Pool) -> Result<(), RelayError> {
+async fn check_schema(pool: &Pool) -> Result<(), RelayError> {
     let client = pool.get().await.map_err(db::DbError::from)?;
     let found: i32 = match client
         .query_one(
