@@ -10,7 +10,7 @@ use rdkafka::client::DefaultClientContext;
 use rdkafka::config::{ClientConfig, RDKafkaLogLevel};
 use rdkafka::consumer::{ConsumerContext, Rebalance, StreamConsumer};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
-use rdkafka::producer::{FutureProducer, Producer};
+use rdkafka::producer::{BaseProducer, FutureProducer, Producer};
 use rdkafka::{ClientContext, Statistics, TopicPartitionList};
 
 use crate::config::KafkaConfig;
@@ -114,22 +114,54 @@ impl ConsumerContext for RelayContext {
 
 pub type ActionConsumer = StreamConsumer<RelayContext>;
 
-pub fn consumer(cfg: &KafkaConfig, context: RelayContext) -> Result<ActionConsumer, KafkaError> {
+/// What every Kafka client idem makes starts from: the brokers, then `[kafka.client]` and its
+/// secrets. Each role adds its own defaults and overrides on top.
+pub fn client_config(cfg: &KafkaConfig) -> ClientConfig {
     let mut c = ClientConfig::new();
-    c.set("bootstrap.servers", &cfg.brokers)
-        .set("group.id", &cfg.group_id)
-        .set("client.id", "idem-relay")
-        .set("auto.offset.reset", "earliest")
-        .set("enable.auto.commit", "true")
-        .set("auto.commit.interval.ms", "1000")
+    c.set("bootstrap.servers", &cfg.brokers);
+    for (k, v) in &cfg.client {
+        c.set(k, v);
+    }
+    for (k, v) in &cfg.client_secrets {
+        c.set(k, v.expose());
+    }
+    c
+}
+
+/// Sets `defaults` where the client section has not set them already.
+fn with_defaults(
+    mut c: ClientConfig,
+    cfg: &KafkaConfig,
+    defaults: &[(&str, &str)],
+) -> ClientConfig {
+    for (k, v) in defaults {
+        if !cfg.client.contains_key(*k) {
+            c.set(*k, *v);
+        }
+    }
+    c
+}
+
+pub fn consumer(cfg: &KafkaConfig, context: RelayContext) -> Result<ActionConsumer, KafkaError> {
+    let mut c = with_defaults(
+        client_config(cfg),
+        cfg,
+        &[
+            ("client.id", "idem-relay"),
+            ("auto.offset.reset", "earliest"),
+            ("enable.auto.commit", "true"),
+            ("auto.commit.interval.ms", "1000"),
+            ("enable.partition.eof", "false"),
+            ("partition.assignment.strategy", "cooperative-sticky"),
+            ("session.timeout.ms", "10000"),
+            ("heartbeat.interval.ms", "1000"),
+            ("statistics.interval.ms", "5000"),
+            ("queued.max.messages.kbytes", "16384"),
+        ],
+    );
+    c.set("group.id", &cfg.group_id)
         // Offsets are stored by the relay only once a message's intent is durable in Postgres.
-        .set("enable.auto.offset.store", "false")
-        .set("enable.partition.eof", "false")
-        .set("partition.assignment.strategy", "cooperative-sticky")
-        .set("session.timeout.ms", "10000")
-        .set("heartbeat.interval.ms", "1000")
-        .set("statistics.interval.ms", "5000")
-        .set("queued.max.messages.kbytes", "16384");
+        .set("enable.auto.offset.store", "false");
     for (k, v) in &cfg.consumer_overrides {
         c.set(k, v);
     }
@@ -137,14 +169,17 @@ pub fn consumer(cfg: &KafkaConfig, context: RelayContext) -> Result<ActionConsum
 }
 
 pub fn producer(cfg: &KafkaConfig) -> Result<FutureProducer, KafkaError> {
-    let mut c = ClientConfig::new();
-    c.set("bootstrap.servers", &cfg.brokers)
-        .set("client.id", "idem-relay")
-        .set("enable.idempotence", "true")
-        .set("acks", "all")
-        .set("linger.ms", "2")
-        .set("compression.type", "lz4")
-        .set("message.timeout.ms", "30000");
+    let mut c = with_defaults(
+        client_config(cfg),
+        cfg,
+        &[
+            ("client.id", "idem-relay"),
+            ("linger.ms", "2"),
+            ("compression.type", "lz4"),
+            ("message.timeout.ms", "30000"),
+        ],
+    );
+    c.set("enable.idempotence", "true").set("acks", "all");
     for (k, v) in &cfg.producer_overrides {
         c.set(k, v);
     }
@@ -210,9 +245,7 @@ impl SharedProducer {
 
 /// Creates the actions, outcomes and dead-letter topics when they are missing.
 pub async fn ensure_topics(cfg: &KafkaConfig) -> Result<(), KafkaError> {
-    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
-        .set("bootstrap.servers", &cfg.brokers)
-        .create()?;
+    let admin: AdminClient<DefaultClientContext> = client_config(cfg).create()?;
     // -1 asks the broker for its `default.replication.factor` (brokers since Kafka 2.4).
     let replication = || TopicReplication::Fixed(cfg.replication_factor.unwrap_or(-1));
     let topics = [
@@ -233,6 +266,98 @@ pub async fn ensure_topics(cfg: &KafkaConfig) -> Result<(), KafkaError> {
         }
     }
     Ok(())
+}
+
+/// Why the brokers could not be reached at start, said with what was tried.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot connect to Kafka at {brokers} (security.protocol {protocol}{mechanism}): {detail}")]
+pub struct ConnectError {
+    pub brokers: String,
+    pub protocol: String,
+    /// `, sasl.mechanism X` when SASL is in use.
+    pub mechanism: String,
+    pub detail: String,
+}
+
+/// Keeps the last error librdkafka reported while probing.
+#[derive(Default)]
+struct ProbeContext {
+    last: std::sync::Mutex<Option<(Option<RDKafkaErrorCode>, String)>>,
+}
+
+impl ClientContext for ProbeContext {
+    fn error(&self, error: KafkaError, reason: &str) {
+        *self.last.lock().expect("not poisoned") =
+            Some((error.rdkafka_error_code(), reason.into()));
+    }
+
+    fn log(&self, _: RDKafkaLogLevel, _: &str, _: &str) {}
+}
+
+impl rdkafka::producer::ProducerContext for ProbeContext {
+    type DeliveryOpaque = ();
+
+    fn delivery(&self, _: &rdkafka::message::DeliveryResult<'_>, _: ()) {}
+}
+
+/// How long start-up waits for a broker to answer before it gives up.
+const PROBE_DEADLINE: Duration = Duration::from_secs(20);
+
+/// Asks the brokers for metadata with the client settings every client uses, so a wrong
+/// password, an untrusted certificate or an unreachable listener stops the start with its
+/// reason, at once where librdkafka says it will not get better (authentication, TLS).
+pub async fn probe(cfg: &KafkaConfig) -> Result<(), ConnectError> {
+    let cfg = cfg.clone();
+    tokio::task::spawn_blocking(move || probe_blocking(&cfg))
+        .await
+        .expect("the probe does not panic")
+}
+
+fn probe_blocking(cfg: &KafkaConfig) -> Result<(), ConnectError> {
+    let protocol = cfg
+        .client
+        .get("security.protocol")
+        .cloned()
+        .unwrap_or_else(|| "plaintext".into());
+    let mechanism = cfg
+        .client
+        .get("sasl.mechanism")
+        .or(cfg.client.get("sasl.mechanisms"))
+        .filter(|_| protocol.to_ascii_lowercase().starts_with("sasl"))
+        .map_or(String::new(), |m| format!(", sasl.mechanism {m}"));
+    let fail = |detail: String| ConnectError {
+        brokers: cfg.brokers.clone(),
+        protocol: protocol.clone(),
+        mechanism: mechanism.clone(),
+        detail,
+    };
+    let client: BaseProducer<ProbeContext> = client_config(cfg)
+        .create_with_context(ProbeContext::default())
+        .map_err(|e| fail(e.to_string()))?;
+    let deadline = std::time::Instant::now() + PROBE_DEADLINE;
+    loop {
+        let answer = client
+            .client()
+            .fetch_metadata(None, Duration::from_millis(500));
+        // Serves the error callbacks.
+        client.poll(Duration::ZERO);
+        let Err(error) = answer else {
+            return Ok(());
+        };
+        let last = client.context().last.lock().expect("not poisoned").clone();
+        let hopeless = matches!(
+            last,
+            Some((
+                Some(RDKafkaErrorCode::Authentication | RDKafkaErrorCode::SSL),
+                _
+            ))
+        );
+        if hopeless || std::time::Instant::now() >= deadline {
+            return Err(fail(
+                last.map_or_else(|| error.to_string(), |(_, reason)| reason),
+            ));
+        }
+    }
 }
 
 #[cfg(test)]

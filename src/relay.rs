@@ -26,6 +26,8 @@ pub enum RelayError {
     Db(#[from] db::DbError),
     #[error("kafka: {0}")]
     Kafka(#[from] rdkafka::error::KafkaError),
+    #[error("{0}")]
+    KafkaConnect(#[from] kafka::ConnectError),
     #[error("admin listener on {addr}: {source}")]
     Listen {
         addr: std::net::SocketAddr,

@@ -5,7 +5,6 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::Args;
-use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{Consumer, StreamConsumer};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::Message;
@@ -78,13 +77,14 @@ pub async fn publish(p: Publish) -> anyhow::Result<()> {
     });
     let payload = serde_json::to_vec(&event)?;
     let kafka_key = key.unwrap_or(run_id);
+    // A wrong password or an untrusted certificate is said now, not as a timeout later.
+    idem::kafka::probe(&config.kafka).await?;
     // Subscribe before publishing, from the end, so the outcome cannot be missed.
     let outcomes = match wait {
         Some(_) => Some(outcome_consumer(&config).await?),
         None => None,
     };
-    let producer: FutureProducer = ClientConfig::new()
-        .set("bootstrap.servers", &config.kafka.brokers)
+    let producer: FutureProducer = idem::kafka::client_config(&config.kafka)
         .set("enable.idempotence", "true")
         .create()?;
     producer
@@ -123,8 +123,7 @@ pub async fn publish(p: Publish) -> anyhow::Result<()> {
 }
 
 async fn outcome_consumer(config: &Config) -> anyhow::Result<StreamConsumer> {
-    let consumer: StreamConsumer = ClientConfig::new()
-        .set("bootstrap.servers", &config.kafka.brokers)
+    let consumer: StreamConsumer = idem::kafka::client_config(&config.kafka)
         .set("group.id", format!("idem-cli-{}", uuid::Uuid::new_v4()))
         .set("auto.offset.reset", "latest")
         .set("enable.auto.commit", "false")

@@ -4,9 +4,11 @@
 //! The environment is a parameter of [`Config::load`], so tests pass their own.
 
 mod raw;
+mod secret;
 mod typed;
 mod validate;
 
+pub use secret::{kafka_secret_env, Secret, KAFKA_SECRETS};
 pub use typed::*;
 pub use validate::{parse_duration, placeholders};
 
@@ -78,6 +80,58 @@ executor = { kind = "http", url = "http://127.0.0.1:8787/v1/send_email" }
         .unwrap();
         assert_eq!(c.kafka.brokers, "broker:1234");
         assert_eq!(c.postgres.url, "postgres://u:p@db:5433/x");
+    }
+
+    #[test]
+    fn a_kafka_secret_in_the_config_text_is_refused_with_where_it_goes() {
+        let e = err("[kafka.client]\n\"sasl.password\" = \"hunter2\"\n");
+        assert!(e.contains("`kafka.client.sasl.password`"), "{e}");
+        assert!(e.contains("IDEM_KAFKA_SASL_PASSWORD"), "{e}");
+        assert!(!e.contains("hunter2"), "{e}");
+        let e = err("[kafka.producer]\n\"ssl.key.password\" = \"x\"\n");
+        assert!(e.contains("`kafka.producer.ssl.key.password`"), "{e}");
+        let e = err("[kafka.client]\n\"enable.idempotence\" = \"false\"\n");
+        assert!(e.contains("`kafka.client.enable.idempotence`"), "{e}");
+        let e = err("[kafka.client]\n\"bootstrap.servers\" = \"b:1\"\n");
+        assert!(e.contains("kafka.brokers"), "{e}");
+    }
+
+    #[test]
+    fn kafka_secrets_come_from_a_file_or_the_environment_and_debug_never_shows_them() {
+        let dir = std::env::temp_dir().join(format!("idem-secret-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("password");
+        std::fs::write(&file, "from-the-file\n").unwrap();
+        let text = format!(
+            "[kafka.client]\n\"security.protocol\" = \"SASL_SSL\"\n\"sasl.password_file\" = \"{}\"\n",
+            file.display()
+        );
+        let c = Config::from_toml(&text, no_env).unwrap();
+        assert_eq!(c.kafka.client["security.protocol"], "SASL_SSL");
+        assert_eq!(
+            c.kafka.client_secrets["sasl.password"].expose(),
+            "from-the-file"
+        );
+        assert!(!c.kafka.client.contains_key("sasl.password_file"));
+        let shown = format!("{c:?}");
+        assert!(!shown.contains("from-the-file"), "{shown}");
+
+        let c = Config::from_toml(&text, |k| {
+            (k == "IDEM_KAFKA_SASL_PASSWORD").then(|| "from-the-env".to_string())
+        })
+        .unwrap();
+        assert_eq!(
+            c.kafka.client_secrets["sasl.password"].expose(),
+            "from-the-env"
+        );
+
+        let missing = "[kafka.client]\n\"sasl.password_file\" = \"/nonexistent/idem\"\n";
+        let e = err(missing);
+        assert!(
+            e.contains("`kafka.client.sasl.password_file`") && e.contains("/nonexistent/idem"),
+            "{e}"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -30,6 +30,8 @@ pub(super) struct RawKafka {
     pub(super) partitions: i32,
     pub(super) replication_factor: Option<i32>,
     pub(super) create_topics: bool,
+    /// librdkafka properties for every Kafka client idem makes (security, timeouts).
+    pub(super) client: BTreeMap<String, String>,
     /// Extra librdkafka properties for the consumer and the producer.
     pub(super) consumer: BTreeMap<String, String>,
     pub(super) producer: BTreeMap<String, String>,
@@ -46,6 +48,7 @@ impl Default for RawKafka {
             partitions: 6,
             replication_factor: None,
             create_topics: true,
+            client: BTreeMap::new(),
             consumer: BTreeMap::new(),
             producer: BTreeMap::new(),
         }

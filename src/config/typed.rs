@@ -32,6 +32,11 @@ pub struct KafkaConfig {
     pub replication_factor: Option<i32>,
     /// Create missing topics at start (the local broker has auto creation off).
     pub create_topics: bool,
+    /// librdkafka properties every client gets (consumer, producer, admin, the CLI's), before
+    /// the role's own: where `security.protocol`, `sasl.*` and `ssl.*` go.
+    pub client: BTreeMap<String, String>,
+    /// Secret properties of every client (`sasl.password` …), from the environment or a file.
+    pub client_secrets: BTreeMap<String, Secret>,
     pub consumer_overrides: BTreeMap<String, String>,
     pub producer_overrides: BTreeMap<String, String>,
 }

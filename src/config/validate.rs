@@ -108,25 +108,30 @@ impl Config {
                 "must differ from outcomes_topic",
             ));
         }
-        for (name, reserved) in [
-            (
-                "consumer",
-                ["enable.auto.offset.store", "group.id"].as_slice(),
-            ),
-            ("producer", ["enable.idempotence", "acks"].as_slice()),
+        let consumer_only = ["enable.auto.offset.store", "group.id"];
+        let producer_only = ["enable.idempotence", "acks"];
+        let every = [consumer_only, producer_only].concat();
+        for (name, map, reserved) in [
+            ("client", &k.client, every.as_slice()),
+            ("consumer", &k.consumer, consumer_only.as_slice()),
+            ("producer", &k.producer, producer_only.as_slice()),
         ] {
-            let map = if name == "consumer" {
-                &k.consumer
-            } else {
-                &k.producer
-            };
             if let Some(key) = reserved.iter().find(|r| map.contains_key(**r)) {
                 return Err(invalid(
                     format!("kafka.{name}.{key}"),
                     "is set by idem for exactly-once delivery and cannot be overridden",
                 ));
             }
+            if map.contains_key("bootstrap.servers") {
+                return Err(invalid(
+                    format!("kafka.{name}.bootstrap.servers"),
+                    "comes from kafka.brokers (or IDEM_KAFKA_BROKERS)",
+                ));
+            }
         }
+        secret::refuse_secrets("consumer", &k.consumer)?;
+        secret::refuse_secrets("producer", &k.producer)?;
+        let (client, client_secrets) = secret::kafka_client(k.client, &env)?;
 
         let p = raw.postgres;
         let url = env(ENV_POSTGRES_URL).unwrap_or(p.url);
@@ -198,6 +203,8 @@ impl Config {
                 partitions: k.partitions,
                 replication_factor: k.replication_factor,
                 create_topics: k.create_topics,
+                client,
+                client_secrets,
                 consumer_overrides: k.consumer,
                 producer_overrides: k.producer,
             },

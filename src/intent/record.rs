@@ -187,19 +187,167 @@ pub async fn record_batch(
     channel: &str,
     claimant: Claimant<'_>,
 ) -> Result<BatchResult, DbError> {
-    let mut result = BatchResult::default();
-    let pos_of = |i: &Incoming| match i {
-        Incoming::Action(a) => a.pos.clone(),
-        Incoming::Rejected { pos, .. } => pos.clone(),
-    };
-    let event_id_of = |i: &Incoming| match i {
-        Incoming::Action(a) => Some(a.event.id.clone()),
-        Incoming::Rejected { partial, .. } => partial.as_ref().map(|p| p.event_id.clone()),
-    };
-
+    let mut rec = Recording::default();
     // 1. Which records and event ids were seen before: redeliveries and producer retries.
-    //    Sent together with the tombstone check of every key (step 2), in one round trip.
-    let event_ids: Vec<String> = items.iter().filter_map(event_id_of).collect();
+    let seen = seen_before(tx, items).await?;
+    let arrivals = classify::arrivals(items, &seen.records, seen.events);
+    let (mut to_insert, mut pending) = rec.sort(items, arrivals);
+    // 2. Gates that refuse a new key before it is recorded.
+    let refused = refuse_before_record(tx, &mut rec, &mut to_insert, &seen.stale).await?;
+    // 3. and 4. New intents, and the per-run limits counted with them.
+    if !to_insert.is_empty() {
+        record_new(tx, &mut rec, &to_insert, claimant, &mut pending).await?;
+    }
+    // 5. Repeats, against the stored key.
+    if !pending.is_empty() {
+        answer_repeats(tx, &mut rec, pending, &refused).await?;
+    }
+    // 6. and 7. Every delivery and the immediate answers.
+    rec.write(tx, channel).await
+}
+
+/// What one batch's transaction writes besides its intents, gathered as it is classified.
+#[derive(Default)]
+struct Recording {
+    /// Every message of the batch, so repeats can be classified and explained later.
+    deliveries: DeliveryRows,
+    /// Answers sent at once: refusals, conflicts, duplicates, parked and rejected input.
+    outbox: Vec<Outcome>,
+    result: BatchResult,
+}
+
+/// Actions sorted by what the batch does with them: candidates to insert, and repeats (with
+/// the origin they are classified from) that need their key's stored state.
+type Sorted<'a> = (Vec<&'a KeyedAction>, Vec<(&'a KeyedAction, Origin)>);
+
+impl Recording {
+    /// A delivery of `a`, counted under its tool and origin.
+    fn delivered(&mut self, intent: Option<i64>, a: &KeyedAction, origin: Origin, answered: bool) {
+        self.deliveries
+            .push(intent, &a.key, &a.event.id, &a.pos, origin, answered);
+        self.result.origins.push((a.tool.clone(), origin));
+    }
+
+    /// A gate refused `a` before it was recorded: answered rejected, its key left unrecorded.
+    fn refuse(&mut self, a: &KeyedAction, code: ErrorCode, message: String) {
+        let state = a.state(OutcomeStatus::Rejected, Some(code.error(message)));
+        self.outbox
+            .push(answer::rejected_gate(&state, a.event.traceparent.clone()));
+        self.delivered(None, a, Origin::First, true);
+        self.result.rejections.push((a.tool.clone(), code.as_str()));
+    }
+
+    /// Logs redeliveries and rejected input (answering the rejected input that can be
+    /// answered), and sorts the actions left into candidates and repeats.
+    fn sort<'a>(&mut self, items: &'a [Incoming], arrivals: Vec<Arrival>) -> Sorted<'a> {
+        let mut to_insert = Vec::new();
+        let mut pending = Vec::new();
+        for (item, arrival) in items.iter().zip(arrivals) {
+            match item {
+                Incoming::Action(a) => match arrival {
+                    // Logged for explain; never executed or answered again.
+                    Arrival::Redelivery => self.delivered(None, a, Origin::Redelivery, true),
+                    Arrival::ProducerRetry => pending.push((&**a, Origin::ProducerRetry)),
+                    // Classified against the stored row, like any later repeat.
+                    Arrival::SameKey => pending.push((&**a, Origin::Replay)),
+                    // A candidate (the only other verdict an action gets).
+                    _ => to_insert.push(&**a),
+                },
+                Incoming::Rejected {
+                    pos,
+                    partial,
+                    reason,
+                    message,
+                } => {
+                    let key = partial.as_ref().map_or("", |p| p.key.as_str());
+                    let event_id = partial.as_ref().map_or("", |p| p.event_id.as_str());
+                    let tool = partial.as_ref().and_then(|p| p.tool.clone());
+                    if arrival == Arrival::Redelivery {
+                        self.deliveries
+                            .push(None, key, event_id, pos, Origin::Redelivery, true);
+                        self.result
+                            .origins
+                            .push((String::new(), Origin::Redelivery));
+                        continue;
+                    }
+                    self.deliveries
+                        .push(None, key, event_id, pos, Origin::DeadLetter, true);
+                    if let (Some(p), Arrival::DeadLetter { answer: true }) = (partial, arrival) {
+                        self.outbox.push(answer::rejected_input(
+                            &p.key,
+                            &p.run_id,
+                            p.tool.clone(),
+                            p.step,
+                            &p.event_id,
+                            reason.error_code(),
+                            message,
+                            None,
+                        ));
+                    }
+                    self.result
+                        .origins
+                        .push((tool.unwrap_or_default(), Origin::DeadLetter));
+                }
+            }
+        }
+        (to_insert, pending)
+    }
+
+    /// Writes every delivery and the immediate answers, together.
+    async fn write(self, tx: &Transaction<'_>, channel: &str) -> Result<BatchResult, DbError> {
+        let Recording {
+            deliveries: d,
+            outbox,
+            mut result,
+        } = self;
+        let record_deliveries = async {
+            if d.key.is_empty() {
+                return Ok(0);
+            }
+            let statement = tx.prepare_cached(INSERT_DELIVERIES).await?;
+            tx.execute(
+                &statement,
+                &[
+                    &d.intent_id,
+                    &d.key,
+                    &d.event_id,
+                    &d.topic,
+                    &d.partition,
+                    &d.offset,
+                    &d.origin,
+                    &d.answered,
+                ],
+            )
+            .await
+            .map_err(DbError::from)
+        };
+        let (_, answers) =
+            futures::try_join!(record_deliveries, insert_outbox(tx, &outbox, channel))?;
+        result.answers = answers;
+        Ok(result)
+    }
+}
+
+/// What the database already knows about a batch's messages.
+struct Seen {
+    /// (topic, partition, offset) of records delivered before: redeliveries.
+    records: HashSet<(String, i32, i64)>,
+    /// Event ids recorded before: producer retries.
+    events: HashSet<String>,
+    /// Keys pruned past retention that left a tombstone.
+    stale: HashSet<String>,
+}
+
+/// The records and event ids seen before, and the tombstone check of every key, in one round
+/// trip.
+async fn seen_before(tx: &Transaction<'_>, items: &[Incoming]) -> Result<Seen, DbError> {
+    let event_ids: Vec<String> = items
+        .iter()
+        .filter_map(|i| match i {
+            Incoming::Action(a) => Some(a.event.id.clone()),
+            Incoming::Rejected { partial, .. } => partial.as_ref().map(|p| p.event_id.clone()),
+        })
+        .collect();
     let action_keys: Vec<&str> = items
         .iter()
         .filter_map(|i| match i {
@@ -216,308 +364,216 @@ pub async fn record_batch(
         tx.query(&seen_statement, &seen_params),
         tx.query(&tombstoned, &stale_params)
     )?;
-    let stale: HashSet<String> = stale_rows.iter().map(|r| r.get(0)).collect();
-    let mut seen_records = HashSet::new();
-    let mut seen_events = HashSet::new();
+    let mut seen = Seen {
+        records: HashSet::new(),
+        events: HashSet::new(),
+        stale: stale_rows.iter().map(|r| r.get("k")).collect(),
+    };
     for row in seen_rows {
-        let event: String = row.get(0);
-        seen_records.insert((
-            row.get::<_, String>(1),
-            row.get::<_, i32>(2),
-            row.get::<_, i64>(3),
+        seen.records.insert((
+            row.get("source_topic"),
+            row.get("source_partition"),
+            row.get("source_offset"),
         ));
-        seen_events.insert(event);
+        seen.events.insert(row.get("action_event_id"));
     }
+    Ok(seen)
+}
 
-    let mut deliveries = DeliveryRows::default();
-    let mut outbox: Vec<Outcome> = Vec::new();
-    // Actions that still need their key's state, after the insert.
-    let mut pending: Vec<(&KeyedAction, Origin)> = Vec::new();
-    let mut to_insert: Vec<&KeyedAction> = Vec::new();
-
-    let arrivals = classify::arrivals(items, &seen_records, seen_events);
-    for (item, arrival) in items.iter().zip(arrivals) {
-        if arrival == Arrival::Redelivery {
-            let (tool, key, event_id) = match item {
-                Incoming::Action(a) => (a.tool.clone(), a.key.as_str(), a.event.id.as_str()),
-                Incoming::Rejected { partial, .. } => (
-                    String::new(),
-                    partial.as_ref().map_or("", |p| p.key.as_str()),
-                    partial.as_ref().map_or("", |p| p.event_id.as_str()),
-                ),
-            };
-            // Logged for explain; never executed or answered again.
-            deliveries.push(None, key, event_id, &pos_of(item), Origin::Redelivery, true);
-            result.origins.push((tool, Origin::Redelivery));
-            continue;
-        }
-        match item {
-            Incoming::Rejected {
-                pos,
-                partial,
-                reason,
-                message,
-            } => {
-                let key = partial.as_ref().map_or("", |p| p.key.as_str());
-                let event_id = partial.as_ref().map_or("", |p| p.event_id.as_str());
-                deliveries.push(None, key, event_id, pos, Origin::DeadLetter, true);
-                if let (Some(p), Arrival::DeadLetter { answer: true }) = (partial, arrival) {
-                    outbox.push(answer::rejected_input(
-                        &p.key,
-                        &p.run_id,
-                        p.tool.clone(),
-                        p.step,
-                        &p.event_id,
-                        reason.error_code(),
-                        message,
-                        None,
-                    ));
-                }
-                result.origins.push((
-                    partial
-                        .as_ref()
-                        .and_then(|p| p.tool.clone())
-                        .unwrap_or_default(),
-                    Origin::DeadLetter,
-                ));
-            }
-            Incoming::Action(a) => match arrival {
-                Arrival::ProducerRetry => pending.push((a, Origin::ProducerRetry)),
-                // Classified against the stored row below, like any later repeat.
-                Arrival::SameKey => pending.push((a, Origin::Replay)),
-                // A candidate (the only other verdict an action gets).
-                _ => to_insert.push(a),
-            },
-        }
+/// Refuses new keys before they are recorded: a pruned key coming back (a run resumed past
+/// retention), and too many failed attempts at the same business action. A refused key is not
+/// recorded, so a repeat of it later in the batch gets the same refusal (`answer_repeats`).
+async fn refuse_before_record<'a>(
+    tx: &Transaction<'_>,
+    rec: &mut Recording,
+    to_insert: &mut Vec<&'a KeyedAction>,
+    stale: &HashSet<String>,
+) -> Result<HashMap<&'a str, (ErrorCode, String)>, DbError> {
+    let mut refused = HashMap::new();
+    if to_insert.is_empty() {
+        return Ok(refused);
     }
-
-    // 2. Gates that refuse a new key before it is recorded: a pruned key coming back (a run
-    //    resumed past retention), and too many failed attempts at the same business action.
-    // Keys refused here are not recorded: a repeat of one later in this batch gets the same
-    // refusal (step 5).
-    let mut refused: HashMap<&str, (ErrorCode, String)> = HashMap::new();
-    if !to_insert.is_empty() {
-        let reattempt_keys: Vec<&KeyedAction> = to_insert
+    let reattempt_keys: Vec<&KeyedAction> = to_insert
+        .iter()
+        .copied()
+        .filter(|a| a.gates.max_reattempts.is_some() && a.event.data.business_id.is_some())
+        .collect();
+    let mut failed: HashMap<(String, String, String), i64> = HashMap::new();
+    if !reattempt_keys.is_empty() {
+        let runs: Vec<&str> = reattempt_keys
             .iter()
-            .copied()
-            .filter(|a| a.gates.max_reattempts.is_some() && a.event.data.business_id.is_some())
+            .map(|a| a.event.data.run_id.as_str())
             .collect();
-        let mut failed: HashMap<(String, String, String), i64> = HashMap::new();
-        if !reattempt_keys.is_empty() {
-            let runs: Vec<&str> = reattempt_keys
-                .iter()
-                .map(|a| a.event.data.run_id.as_str())
-                .collect();
-            let tools: Vec<&str> = reattempt_keys.iter().map(|a| a.tool.as_str()).collect();
-            let biz: Vec<&str> = reattempt_keys
-                .iter()
-                .map(|a| a.event.data.business_id.as_deref().unwrap_or(""))
-                .collect();
-            for r in tx.query(FAILED_REATTEMPTS, &[&runs, &tools, &biz]).await? {
-                failed.insert((r.get(0), r.get(1), r.get(2)), r.get(3));
-            }
-        }
-        to_insert.retain(|&a| {
-            let failed_before = a.event.data.business_id.as_ref().and_then(|b| {
-                failed
-                    .get(&(a.event.data.run_id.clone(), a.tool.clone(), b.clone()))
-                    .copied()
-            });
-            let refusal = gates::refusal(
-                &a.key,
-                &a.tool,
-                a.event.data.business_id.as_deref(),
-                &a.gates,
-                stale.contains(&a.key),
-                failed_before,
+        let tools: Vec<&str> = reattempt_keys.iter().map(|a| a.tool.as_str()).collect();
+        let biz: Vec<&str> = reattempt_keys
+            .iter()
+            .map(|a| a.event.data.business_id.as_deref().unwrap_or(""))
+            .collect();
+        for r in tx.query(FAILED_REATTEMPTS, &[&runs, &tools, &biz]).await? {
+            failed.insert(
+                (r.get("run_id"), r.get("tool"), r.get("business_id")),
+                r.get("failed"),
             );
-            let Some((code, message)) = refusal else {
-                return true;
-            };
-            refused.insert(a.key.as_str(), (code, message.clone()));
-            let state = a.state(OutcomeStatus::Rejected, Some(code.error(message)));
-            outbox.push(answer::rejected_gate(&state, a.event.traceparent.clone()));
-            deliveries.push(None, &a.key, &a.event.id, &a.pos, Origin::First, true);
-            result.origins.push((a.tool.clone(), Origin::First));
-            result.rejections.push((a.tool.clone(), code.as_str()));
-            false
+        }
+    }
+    to_insert.retain(|&a| {
+        let failed_before = a.event.data.business_id.as_ref().and_then(|b| {
+            failed
+                .get(&(a.event.data.run_id.clone(), a.tool.clone(), b.clone()))
+                .copied()
         });
+        let refusal = gates::refusal(
+            &a.key,
+            &a.tool,
+            a.event.data.business_id.as_deref(),
+            &a.gates,
+            stale.contains(&a.key),
+            failed_before,
+        );
+        let Some((code, message)) = refusal else {
+            return true;
+        };
+        refused.insert(a.key.as_str(), (code, message.clone()));
+        rec.refuse(a, code, message);
+        false
+    });
+    Ok(refused)
+}
+
+/// Inserts the candidates (the unique key index decides who is first; a key recorded first by
+/// another delivery becomes a repeat), then counts per-run limits with the insert: the N+1-th
+/// distinct intent is refused. Intents that need a person's approval are recorded parked and
+/// answered as such.
+async fn record_new<'a>(
+    tx: &Transaction<'_>,
+    rec: &mut Recording,
+    to_insert: &[&'a KeyedAction],
+    claimant: Claimant<'_>,
+    pending: &mut Vec<(&'a KeyedAction, Origin)>,
+) -> Result<(), DbError> {
+    // Without per-run limits nothing refuses a claimed row once inserted: its first call is
+    // opened by the insert itself.
+    let limited = to_insert
+        .iter()
+        .any(|a| a.gates.max_per_run.is_some() || a.gates.run_cap.is_some());
+    let by_event = insert_intents(tx, to_insert, claimant, limited).await?;
+    let mut recorded: Vec<(&KeyedAction, i64)> = Vec::new();
+    for &a in to_insert {
+        match by_event.get(&a.event.id) {
+            Some(id) => {
+                rec.delivered(Some(*id), a, Origin::First, true);
+                recorded.push((a, *id));
+            }
+            None => pending.push((a, Origin::Replay)),
+        }
     }
 
-    // 3. Insert candidate intents; the unique key index decides who is first. Intents that
-    //    need a person's approval are recorded parked and answered as such.
-    if !to_insert.is_empty() {
-        let acts: &[&KeyedAction] = &to_insert;
-        // Without per-run limits nothing refuses a claimed row once inserted: its first call
-        // is opened by the insert itself.
-        let limited = acts
-            .iter()
-            .any(|a| a.gates.max_per_run.is_some() || a.gates.run_cap.is_some());
-        let by_event = insert_intents(tx, acts, claimant, limited).await?;
-        let mut recorded: Vec<(&KeyedAction, i64)> = Vec::new();
-        for &a in &to_insert {
-            match by_event.get(&a.event.id) {
-                Some(id) => {
-                    deliveries.push(Some(*id), &a.key, &a.event.id, &a.pos, Origin::First, true);
-                    result.origins.push((a.tool.clone(), Origin::First));
-                    recorded.push((a, *id));
-                }
-                // Another delivery recorded this key first.
-                None => pending.push((a, Origin::Replay)),
-            }
-        }
-
-        // 4. Per-run limits, counted with the insert: the N+1-th distinct intent is refused.
-        let counted: Vec<Counted> = recorded
-            .iter()
-            .map(|(a, id)| Counted {
-                id: *id,
-                run_id: &a.event.data.run_id,
-                tool: &a.tool,
-                class: a.class,
-                gates: &a.gates,
-            })
-            .collect();
-        let over = count_runs(tx, &counted).await?;
-        for (a, id) in recorded {
-            if let Some(message) = over.get(&id) {
-                let error = ErrorCode::RunLimitExceeded.error(message.clone());
-                tx.execute(
-                    REJECT_NEW,
-                    &[&id, &serde_json::to_value(&error).expect("serializes")],
-                )
-                .await?;
-                let state = a.state(OutcomeStatus::Rejected, Some(error));
-                outbox.push(answer::status_change(
-                    &state,
-                    1,
-                    a.event.traceparent.clone(),
-                ));
-                result
-                    .rejections
-                    .push((a.tool.clone(), ErrorCode::RunLimitExceeded.as_str()));
-            } else if a.parked_at_record() {
-                let state = a.state(OutcomeStatus::PendingApproval, None);
-                outbox.push(answer::status_change(
-                    &state,
-                    1,
-                    a.event.traceparent.clone(),
-                ));
-            } else if a.claimed_at_record() {
-                result.claimed.push(a.claimed(id));
-            } else {
-                result.new_intents.push((id, a.tool.clone()));
-            }
-        }
-        if limited && !result.claimed.is_empty() {
-            let ids: Vec<i64> = result.claimed.iter().map(|c| c.id).collect();
-            let keys: Vec<&str> = result.claimed.iter().map(|c| c.key.as_str()).collect();
+    let counted: Vec<Counted> = recorded
+        .iter()
+        .map(|(a, id)| Counted {
+            id: *id,
+            run_id: &a.event.data.run_id,
+            tool: &a.tool,
+            class: a.class,
+            gates: &a.gates,
+        })
+        .collect();
+    let over = count_runs(tx, &counted).await?;
+    for (a, id) in recorded {
+        if let Some(message) = over.get(&id) {
+            let error = ErrorCode::RunLimitExceeded.error(message.clone());
             tx.execute(
-                &tx.prepare_cached(OPEN_FIRST_CALLS).await?,
-                &[&ids, &keys, &claimant.owner],
+                REJECT_NEW,
+                &[&id, &serde_json::to_value(&error).expect("serializes")],
             )
             .await?;
+            let state = a.state(OutcomeStatus::Rejected, Some(error));
+            rec.outbox.push(answer::status_change(
+                &state,
+                1,
+                a.event.traceparent.clone(),
+            ));
+            rec.result
+                .rejections
+                .push((a.tool.clone(), ErrorCode::RunLimitExceeded.as_str()));
+        } else if a.parked_at_record() {
+            let state = a.state(OutcomeStatus::PendingApproval, None);
+            rec.outbox.push(answer::status_change(
+                &state,
+                1,
+                a.event.traceparent.clone(),
+            ));
+        } else if a.claimed_at_record() {
+            rec.result.claimed.push(a.claimed(id));
+        } else {
+            rec.result.new_intents.push((id, a.tool.clone()));
         }
     }
+    let claimed = &rec.result.claimed;
+    if limited && !claimed.is_empty() {
+        let ids: Vec<i64> = claimed.iter().map(|c| c.id).collect();
+        let keys: Vec<&str> = claimed.iter().map(|c| c.key.as_str()).collect();
+        tx.execute(
+            &tx.prepare_cached(OPEN_FIRST_CALLS).await?,
+            &[&ids, &keys, &claimant.owner],
+        )
+        .await?;
+    }
+    Ok(())
+}
 
-    // 5. Repeats: compare with the stored key, answer now or wait for it to resolve.
-    if !pending.is_empty() {
-        let keys: Vec<&str> = pending.iter().map(|(a, _)| a.key.as_str()).collect();
-        let mut existing: HashMap<String, StoredKey> = HashMap::new();
-        for row in tx
-            .query(&tx.prepare_cached(SELECT_KEYS_FOR_SHARE).await?, &[&keys])
-            .await?
-        {
-            let stored = stored_key(&row);
-            existing.insert(stored.state.key.clone(), stored);
-        }
-        for (a, hint) in pending {
-            let stored = existing.get(&a.key);
-            match classify::repeat(hint, a, stored, refused.get(a.key.as_str())) {
-                Repeat::ProducerRetry { intent } => {
-                    // The first delivery of this event id is answered already.
-                    deliveries.push(
-                        intent,
-                        &a.key,
-                        &a.event.id,
-                        &a.pos,
-                        Origin::ProducerRetry,
-                        true,
-                    );
-                    result.origins.push((a.tool.clone(), Origin::ProducerRetry));
-                }
-                Repeat::Refused { code, message } => {
-                    let error = code.error(message);
-                    let state = a.state(OutcomeStatus::Rejected, Some(error));
-                    outbox.push(answer::rejected_gate(&state, a.event.traceparent.clone()));
-                    deliveries.push(None, &a.key, &a.event.id, &a.pos, Origin::First, true);
-                    result.origins.push((a.tool.clone(), Origin::First));
-                    result.rejections.push((a.tool.clone(), code.as_str()));
-                }
-                // Recorded again from the start rather than leave it unanswered.
-                Repeat::Vanished => return Err(DbError::Vanished(a.key.clone())),
-                Repeat::Conflict { stored: k, fields } => {
-                    deliveries.push(
-                        Some(k.id),
-                        &a.key,
-                        &a.event.id,
-                        &a.pos,
-                        Origin::Conflict,
-                        true,
-                    );
-                    outbox.push(answer::conflict(
+/// Compares each repeat with its stored key and answers it now, or leaves it to be answered
+/// when the key resolves.
+async fn answer_repeats(
+    tx: &Transaction<'_>,
+    rec: &mut Recording,
+    pending: Vec<(&KeyedAction, Origin)>,
+    refused: &HashMap<&str, (ErrorCode, String)>,
+) -> Result<(), DbError> {
+    let keys: Vec<&str> = pending.iter().map(|(a, _)| a.key.as_str()).collect();
+    let mut existing: HashMap<String, StoredKey> = HashMap::new();
+    for row in tx
+        .query(&tx.prepare_cached(SELECT_KEYS_FOR_SHARE).await?, &[&keys])
+        .await?
+    {
+        let stored = stored_key(&row);
+        existing.insert(stored.state.key.clone(), stored);
+    }
+    for (a, hint) in pending {
+        let stored = existing.get(&a.key);
+        match classify::repeat(hint, a, stored, refused.get(a.key.as_str())) {
+            // The first delivery of this event id is answered already.
+            Repeat::ProducerRetry { intent } => {
+                rec.delivered(intent, a, Origin::ProducerRetry, true)
+            }
+            Repeat::Refused { code, message } => rec.refuse(a, code, message.to_string()),
+            // Recorded again from the start rather than leave it unanswered.
+            Repeat::Vanished => return Err(DbError::Vanished(a.key.clone())),
+            Repeat::Conflict { stored: k, fields } => {
+                rec.delivered(Some(k.id), a, Origin::Conflict, true);
+                rec.outbox.push(answer::conflict(
+                    &k.state,
+                    &a.event.id,
+                    a.event.data.step,
+                    fields,
+                    a.event.traceparent.clone(),
+                ));
+            }
+            Repeat::Duplicate {
+                stored: k,
+                origin,
+                answered,
+            } => {
+                if answered {
+                    rec.outbox.push(answer::duplicate(
                         &k.state,
                         &a.event.id,
-                        a.event.data.step,
-                        fields,
                         a.event.traceparent.clone(),
                     ));
-                    result.origins.push((a.tool.clone(), Origin::Conflict));
                 }
-                Repeat::Duplicate {
-                    stored: k,
-                    origin,
-                    answered,
-                } => {
-                    if answered {
-                        outbox.push(answer::duplicate(
-                            &k.state,
-                            &a.event.id,
-                            a.event.traceparent.clone(),
-                        ));
-                    }
-                    deliveries.push(Some(k.id), &a.key, &a.event.id, &a.pos, origin, answered);
-                    result.origins.push((a.tool.clone(), origin));
-                }
+                rec.delivered(Some(k.id), a, origin, answered);
             }
         }
     }
-
-    // 6. Every delivery, so repeats can be classified and explained later; and 7. the immediate
-    //    answers, sent together.
-    let d = &deliveries;
-    let record_deliveries = async {
-        if d.key.is_empty() {
-            return Ok(0);
-        }
-        let statement = tx.prepare_cached(INSERT_DELIVERIES).await?;
-        tx.execute(
-            &statement,
-            &[
-                &d.intent_id,
-                &d.key,
-                &d.event_id,
-                &d.topic,
-                &d.partition,
-                &d.offset,
-                &d.origin,
-                &d.answered,
-            ],
-        )
-        .await
-        .map_err(DbError::from)
-    };
-    let (_, answers) = futures::try_join!(record_deliveries, insert_outbox(tx, &outbox, channel))?;
-    result.answers = answers;
-    Ok(result)
+    Ok(())
 }

@@ -80,7 +80,7 @@ pub(crate) const TOMBSTONED: &str = "
                       and t.expires_at > now())";
 
 pub(crate) const FAILED_REATTEMPTS: &str = "
-    select i.run_id, i.tool, i.business_id, count(*)
+    select i.run_id, i.tool, i.business_id, count(*) as failed
       from intents i
       join unnest($1::text[], $2::text[], $3::text[]) as q(run_id, tool, business_id)
         on i.run_id = q.run_id and i.tool = q.tool and i.business_id = q.business_id
