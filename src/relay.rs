@@ -134,6 +134,7 @@ async fn connect_kafka(
     config: &Config,
     metrics: &Arc<Metrics>,
 ) -> Result<KafkaClients, RelayError> {
+    kafka::probe(&config.kafka).await?;
     if config.kafka.create_topics {
         kafka::ensure_topics(&config.kafka).await?;
     }

@@ -7,6 +7,8 @@
 #
 # PostgreSQL: postgres://idem:idem@127.0.0.1:5432/idem   (Debian's packages)
 # Kafka:      127.0.0.1:9092                              (jars from Maven Central, Java 17)
+#             localhost:9094  SASL_SSL, SCRAM-SHA-512 user idem / idem-secret, certificate
+#                             signed by the local CA in $IDEM_LOCAL_DIR/tls/ca.pem
 #
 # State (jars, data, logs, pid files) lives outside the repo in $IDEM_LOCAL_DIR
 # (default ~/.cache/idem-local), so a fresh clone reuses what an earlier run fetched.
@@ -21,6 +23,8 @@ kafka_libs=$kafka_dir/libs-$kafka_version-$(sha256sum "$here/kafka-pom.xml" | cu
 pg_port=5432
 kafka_port=9092
 controller_port=9093
+sasl_port=9094
+tls_dir=$state/tls
 
 log() { printf 'services: %s\n' "$*" >&2; }
 die() { printf 'services: error: %s\n' "$*" >&2; exit 1; }
@@ -39,6 +43,34 @@ wait_for() {
     fi
     sleep 0.5
   done
+}
+
+# ----------------------------------------------------------------------- TLS
+
+# A local CA, a server certificate it signs for localhost and 127.0.0.1 (Kafka's SASL_SSL
+# listener uses it as a PKCS#12 keystore), and a second CA that signed nothing, for tests of a
+# client that trusts the wrong one. Made once.
+tls_make() {
+  [ -f "$tls_dir/.complete" ] && return 0
+  command -v openssl >/dev/null || die "openssl is needed to make the local test certificates"
+  log "making a local CA and server certificate in $tls_dir"
+  rm -rf "$tls_dir"
+  mkdir -p "$tls_dir"
+  (
+    cd "$tls_dir"
+    openssl req -x509 -newkey rsa:2048 -nodes -days 3650 -subj "/CN=idem local CA" \
+      -keyout ca.key -out ca.pem 2>/dev/null
+    openssl req -newkey rsa:2048 -nodes -subj "/CN=localhost" -keyout server.key -out server.csr 2>/dev/null
+    printf 'subjectAltName=DNS:localhost,IP:127.0.0.1\n' > server.ext
+    openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 3650 \
+      -extfile server.ext -out server.pem 2>/dev/null
+    openssl pkcs12 -export -in server.pem -inkey server.key -name kafka -passout pass:idem-local \
+      -out kafka.p12
+    openssl req -x509 -newkey rsa:2048 -nodes -days 3650 -subj "/CN=some other CA" \
+      -keyout other-ca.key -out other-ca.pem 2>/dev/null
+    chmod 644 ./*
+  )
+  touch "$tls_dir/.complete"
 }
 
 # ---------------------------------------------------------------- PostgreSQL
@@ -137,11 +169,17 @@ kafka_configure() {
 process.roles=broker,controller
 node.id=1
 controller.quorum.voters=1@127.0.0.1:$controller_port
-listeners=PLAINTEXT://127.0.0.1:$kafka_port,CONTROLLER://127.0.0.1:$controller_port
-advertised.listeners=PLAINTEXT://127.0.0.1:$kafka_port
+listeners=PLAINTEXT://127.0.0.1:$kafka_port,CONTROLLER://127.0.0.1:$controller_port,SASL_SSL://127.0.0.1:$sasl_port
+advertised.listeners=PLAINTEXT://127.0.0.1:$kafka_port,SASL_SSL://localhost:$sasl_port
 controller.listener.names=CONTROLLER
 inter.broker.listener.name=PLAINTEXT
-listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT
+listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT,SASL_SSL:SASL_SSL
+listener.name.sasl_ssl.sasl.enabled.mechanisms=SCRAM-SHA-512
+listener.name.sasl_ssl.scram-sha-512.sasl.jaas.config=org.apache.kafka.common.security.scram.ScramLoginModule required;
+listener.name.sasl_ssl.ssl.keystore.type=PKCS12
+listener.name.sasl_ssl.ssl.keystore.location=$tls_dir/kafka.p12
+listener.name.sasl_ssl.ssl.keystore.password=idem-local
+listener.name.sasl_ssl.ssl.key.password=idem-local
 log.dirs=$kafka_dir/data
 auto.create.topics.enable=false
 num.partitions=1
@@ -180,8 +218,16 @@ XML
 }
 
 kafka_up() {
+  tls_make
+  # A broker this script started before the SASL_SSL listener existed: restart it with it.
+  if port_open "$kafka_port" && ! port_open "$sasl_port" && [ -f "$kafka_dir/kafka.pid" ]; then
+    log "restarting Kafka to add the SASL_SSL listener on $sasl_port"
+    kafka_down
+    wait_for "the old Kafka to let go of $kafka_port" 60 "$kafka_dir/logs/server.log" port_closed "$kafka_port"
+  fi
   if port_open "$kafka_port"; then
     wait_for "Kafka on 127.0.0.1:$kafka_port (already running)" 90 "$kafka_dir/logs/server.log" kafka_ready_existing
+    kafka_scram_user
     log "kafka ready: 127.0.0.1:$kafka_port"
     return 0
   fi
@@ -195,7 +241,20 @@ kafka_up() {
     >>"$kafka_dir/logs/server.log" 2>&1 </dev/null &
   echo $! > "$kafka_dir/kafka.pid"
   wait_for "Kafka on 127.0.0.1:$kafka_port" 120 "$kafka_dir/logs/server.log" kafka_ready_started
-  log "kafka ready: 127.0.0.1:$kafka_port"
+  kafka_scram_user
+  log "kafka ready: 127.0.0.1:$kafka_port, SASL_SSL on localhost:$sasl_port"
+}
+
+port_closed() { ! port_open "$1"; }
+
+# The SCRAM user of the SASL_SSL listener; credentials live in the cluster metadata, so once.
+kafka_scram_user() {
+  [ -f "$kafka_dir/data/.scram-idem" ] && return 0
+  kafka_java kafka.admin.ConfigCommand --bootstrap-server "127.0.0.1:$kafka_port" --alter \
+    --add-config 'SCRAM-SHA-512=[iterations=4096,password=idem-secret]' \
+    --entity-type users --entity-name idem >"$kafka_dir/logs/scram.log" 2>&1 ||
+    { cat "$kafka_dir/logs/scram.log" >&2; die "cannot create the SCRAM user idem"; }
+  touch "$kafka_dir/data/.scram-idem"
 }
 
 # Readiness of a broker we started: the process must still be alive, then a metadata request.
