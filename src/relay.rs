@@ -87,7 +87,12 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Handle
         metrics: metrics.clone(),
         pool: maintenance.clone(),
         kafka_up: kafka.up.clone(),
-        token: config.admin.token.clone().map(Arc::new),
+        tokens: Arc::new(admin::Tokens {
+            admin: config.admin.token.clone(),
+            named: config.admin.named_tokens.clone(),
+            read: config.admin.read_token.clone(),
+            loopback: admin_addr.ip().is_loopback(),
+        }),
         schema: config.postgres.schema.clone(),
     });
     let control = db::control_pool(&config.postgres)?;

@@ -420,3 +420,137 @@ async fn admin_actions_need_the_token() {
     assert_eq!(off.status(), 403);
     relay.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn every_v1_route_answers_by_its_token() {
+    let env = Env::new().await;
+    let (admin, read) = ("admin-token-for-tests", "read-token-for-tests");
+    let text = env.config_text(REFUND, "");
+    let config = Config::from_toml(&text, |k| match k {
+        idem::config::ENV_ADMIN_TOKEN => Some(admin.to_string()),
+        idem::config::ENV_ADMIN_READ_TOKEN => Some(read.to_string()),
+        _ => None,
+    })
+    .unwrap();
+    idem::db::migrate(&config.postgres).await.unwrap();
+    let outcomes = env.outcomes().await;
+    let relay = env.start(config).await;
+    env.producer()
+        .send(&action("e1", refund("r8", "o1", 5, "x")))
+        .await;
+    outcomes.answer("e1", "pending_approval").await;
+    let key = "r8:refund:ticket-7:o1";
+    let base = format!("http://{}/v1/actions", relay.admin());
+    let http = reqwest::Client::new();
+    let body = json!({"by": "ada", "reason": "ok", "as": "failed"});
+    // A write authorized reaches its handler: on an unknown key that is a 404, so the table
+    // changes nothing.
+    let routes = [
+        ("GET", format!("{base}/{key}"), [401, 401, 200, 200]),
+        ("POST", format!("{base}/nope/approve"), [401, 401, 403, 404]),
+        ("POST", format!("{base}/nope/deny"), [401, 401, 403, 404]),
+        ("POST", format!("{base}/nope/resolve"), [401, 401, 403, 404]),
+    ];
+    for (method, url, expected) in routes {
+        for (token, want) in [None, Some("wrong-token-for-tests"), Some(read), Some(admin)]
+            .into_iter()
+            .zip(expected)
+        {
+            let mut request = match method {
+                "GET" => http.get(&url),
+                _ => http.post(&url).json(&body),
+            };
+            if let Some(t) = token {
+                request = request.bearer_auth(t);
+            }
+            let response = request.send().await.unwrap();
+            assert_eq!(
+                response.status().as_u16(),
+                want,
+                "{method} {url} with {token:?}"
+            );
+        }
+    }
+    let e = common::explain(&env, key).await;
+    assert_eq!(e["status"], "pending_approval", "the table changed nothing");
+    relay.stop().await;
+
+    // No token at all: reads are served on a loopback listener only.
+    let relay = env.start(env.config(REFUND, "").await).await;
+    let open = http
+        .get(format!("http://{}/v1/actions/{key}", relay.admin()))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(open.status(), 200, "loopback listener without tokens");
+    relay.stop().await;
+    let text = env
+        .config_text(REFUND, "")
+        .replace("listen = \"127.0.0.1:0\"", "listen = \"0.0.0.0:0\"");
+    let config = Config::from_toml(&text, |_| None).unwrap();
+    let relay = env.start(config).await;
+    let port = relay.admin().port();
+    let closed = http
+        .get(format!("http://127.0.0.1:{port}/v1/actions/{key}"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        closed.status(),
+        403,
+        "a listener on every address without tokens"
+    );
+    let text = closed.text().await.unwrap();
+    assert!(text.contains("IDEM_ADMIN_READ_TOKEN"), "{text}");
+    relay.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_named_token_decides_under_its_name() {
+    let env = Env::new().await;
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("tokens");
+    std::fs::write(
+        &file,
+        "# who may approve\nalice:alice-token-for-tests\nbob:bob-token-for-tests\n",
+    )
+    .unwrap();
+    let path = file.to_string_lossy().to_string();
+    let text = env.config_text(REFUND, "");
+    let config = Config::from_toml(&text, |k| {
+        (k == idem::config::ENV_ADMIN_TOKENS_FILE).then(|| path.clone())
+    })
+    .unwrap();
+    idem::db::migrate(&config.postgres).await.unwrap();
+    let outcomes = env.outcomes().await;
+    let relay = env.start(config).await;
+    env.producer()
+        .send(&action("e1", refund("r9", "o1", 5, "x")))
+        .await;
+    outcomes.answer("e1", "pending_approval").await;
+    let key = "r9:refund:ticket-7:o1";
+    let url = format!("http://{}/v1/actions/{key}/approve", relay.admin());
+    let http = reqwest::Client::new();
+    let posing = http
+        .post(&url)
+        .bearer_auth("bob-token-for-tests")
+        .json(&json!({"by": "alice", "reason": "ok"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(posing.status(), 403, "bob's token cannot decide as alice");
+    assert_eq!(common::explain(&env, key).await["approvals"], json!([]));
+    let right = http
+        .post(&url)
+        .bearer_auth("alice-token-for-tests")
+        .json(&json!({"reason": "refund is due"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(right.status(), 200, "{}", right.text().await.unwrap());
+    outcomes.answer("e1", "succeeded").await;
+    let e = common::explain(&env, key).await;
+    assert_eq!(e["approvals"][0]["by"], "alice", "{e}");
+    assert_eq!(env.downstream.total_effects(), 1);
+    relay.stop().await;
+}

@@ -79,13 +79,31 @@ pub struct RelayConfig {
 #[derive(Debug, Clone)]
 pub struct AdminConfig {
     pub listen: SocketAddr,
-    /// Bearer token for the endpoints that change state; from `IDEM_ADMIN_TOKEN` or the file
-    /// named by `IDEM_ADMIN_TOKEN_FILE`, never from the config text. None: those endpoints are off.
-    pub token: Option<String>,
+    /// Bearer token for every `/v1/` endpoint, reads and changes; from `IDEM_ADMIN_TOKEN` or
+    /// the file named by `IDEM_ADMIN_TOKEN_FILE`, never from the config text. None: the
+    /// endpoints that change state are off.
+    pub token: Option<Secret>,
+    /// Bearer token for the `/v1/` reads only (dashboards, the console); from
+    /// `IDEM_ADMIN_READ_TOKEN` or `IDEM_ADMIN_READ_TOKEN_FILE`.
+    pub read_token: Option<Secret>,
+    /// Named admin tokens, one person or system each, from the file named by
+    /// `IDEM_ADMIN_TOKENS_FILE` (`name:token` lines): a decision made with one is recorded
+    /// under its name, whatever the body says.
+    pub named_tokens: Vec<NamedToken>,
+}
+
+/// An admin token that says who holds it.
+#[derive(Debug, Clone)]
+pub struct NamedToken {
+    pub name: String,
+    pub token: Secret,
 }
 
 pub const ENV_ADMIN_TOKEN: &str = "IDEM_ADMIN_TOKEN";
 pub const ENV_ADMIN_TOKEN_FILE: &str = "IDEM_ADMIN_TOKEN_FILE";
+pub const ENV_ADMIN_READ_TOKEN: &str = "IDEM_ADMIN_READ_TOKEN";
+pub const ENV_ADMIN_READ_TOKEN_FILE: &str = "IDEM_ADMIN_READ_TOKEN_FILE";
+pub const ENV_ADMIN_TOKENS_FILE: &str = "IDEM_ADMIN_TOKENS_FILE";
 
 /// When an intent of a tool waits for a person before it executes.
 #[derive(Debug, Clone, PartialEq)]

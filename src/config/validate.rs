@@ -214,10 +214,7 @@ impl Config {
                 pool_size: positive("postgres.pool_size", p.pool_size)?,
             },
             relay,
-            admin: AdminConfig {
-                listen,
-                token: admin_token(&env)?,
-            },
+            admin: admin_section(listen, &env)?,
             tools,
         })
     }
@@ -227,19 +224,111 @@ impl Config {
     }
 }
 
-fn admin_token(env: &impl Fn(&str) -> Option<String>) -> Result<Option<String>, ConfigError> {
-    let token = match (env(ENV_ADMIN_TOKEN), env(ENV_ADMIN_TOKEN_FILE)) {
+fn admin_section(
+    listen: std::net::SocketAddr,
+    env: &impl Fn(&str) -> Option<String>,
+) -> Result<AdminConfig, ConfigError> {
+    let token = admin_token(env, ENV_ADMIN_TOKEN, ENV_ADMIN_TOKEN_FILE)?;
+    let read_token = admin_token(env, ENV_ADMIN_READ_TOKEN, ENV_ADMIN_READ_TOKEN_FILE)?;
+    if token.is_some() && token == read_token {
+        return Err(invalid(
+            ENV_ADMIN_READ_TOKEN,
+            "must differ from the admin token, or a dashboard could change state",
+        ));
+    }
+    let named_tokens = match env(ENV_ADMIN_TOKENS_FILE) {
+        Some(path) => named_tokens(&path)?,
+        None => Vec::new(),
+    };
+    for n in &named_tokens {
+        if Some(&n.token) == read_token.as_ref() || Some(&n.token) == token.as_ref() {
+            return Err(invalid(
+                ENV_ADMIN_TOKENS_FILE,
+                format!(
+                    "the token of `{}` is also the admin or read token; each must be its own",
+                    n.name
+                ),
+            ));
+        }
+    }
+    Ok(AdminConfig {
+        listen,
+        token,
+        read_token,
+        named_tokens,
+    })
+}
+
+/// `name:token` lines; blank lines and `#` comments are skipped. An error names the line, never
+/// the token.
+fn named_tokens(path: &str) -> Result<Vec<NamedToken>, ConfigError> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| invalid(ENV_ADMIN_TOKENS_FILE, format!("cannot read {path}: {e}")))?;
+    parse_named_tokens(&text).map_err(|e| invalid(ENV_ADMIN_TOKENS_FILE, format!("{path}: {e}")))
+}
+
+fn parse_named_tokens(text: &str) -> Result<Vec<NamedToken>, String> {
+    let mut tokens: Vec<NamedToken> = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let at = i + 1;
+        let Some((name, token)) = line.split_once(':') else {
+            return Err(format!("line {at} is not `name:token`"));
+        };
+        let (name, token) = (name.trim(), token.trim());
+        let name_ok = !name.is_empty()
+            && name.len() <= 64
+            && name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.' | '@'));
+        if !name_ok {
+            return Err(format!(
+                "line {at}: the name must be 1-64 of [a-zA-Z0-9_.@-]"
+            ));
+        }
+        if token.len() < 16 {
+            return Err(format!(
+                "line {at}: the token of `{name}` must be at least 16 characters"
+            ));
+        }
+        if let Some(other) = tokens.iter().find(|t| t.name == name) {
+            return Err(format!("line {at}: `{}` is named twice", other.name));
+        }
+        if let Some(other) = tokens.iter().find(|t| t.token.expose() == token) {
+            return Err(format!(
+                "line {at}: `{name}` has the same token as `{}`",
+                other.name
+            ));
+        }
+        tokens.push(NamedToken {
+            name: name.to_string(),
+            token: Secret::new(token.to_string()),
+        });
+    }
+    Ok(tokens)
+}
+
+/// A bearer token from the variable `var`, or the file named by `file_var`.
+fn admin_token(
+    env: &impl Fn(&str) -> Option<String>,
+    var: &str,
+    file_var: &str,
+) -> Result<Option<Secret>, ConfigError> {
+    let token = match (env(var), env(file_var)) {
         (Some(t), _) => t,
         (None, Some(path)) => std::fs::read_to_string(&path)
-            .map_err(|e| invalid(ENV_ADMIN_TOKEN_FILE, format!("cannot read {path}: {e}")))?
+            .map_err(|e| invalid(file_var, format!("cannot read {path}: {e}")))?
             .trim()
             .to_string(),
         (None, None) => return Ok(None),
     };
     if token.len() < 16 {
-        return Err(invalid(ENV_ADMIN_TOKEN, "must be at least 16 characters"));
+        return Err(invalid(var, "must be at least 16 characters"));
     }
-    Ok(Some(token))
+    Ok(Some(Secret::new(token)))
 }
 
 fn default_instance_id() -> String {
@@ -666,6 +755,41 @@ mod tests {
 
     fn reason(e: ConfigError) -> String {
         e.to_string()
+    }
+
+    #[test]
+    fn named_tokens_say_who_holds_them_and_errors_never_show_a_token() {
+        let ok = parse_named_tokens(
+            "# approvers\nalice@example.com: 0123456789abcdef-alice\n\n  ops-bot:0123456789abcdef-bot  \n",
+        )
+        .unwrap();
+        let names: Vec<_> = ok.iter().map(|t| t.name.as_str()).collect();
+        assert_eq!(names, ["alice@example.com", "ops-bot"]);
+        assert_eq!(ok[1].token.expose(), "0123456789abcdef-bot");
+
+        for (text, expected) in [
+            ("alice 0123456789abcdef", "line 1 is not `name:token`"),
+            ("al ice:0123456789abcdef", "line 1: the name must be"),
+            (
+                "alice:short-secret",
+                "line 1: the token of `alice` must be at least 16",
+            ),
+            (
+                "alice:0123456789abcdef\nalice:0123456789abcdeX",
+                "line 2: `alice` is named twice",
+            ),
+            (
+                "alice:0123456789abcdef\nbob:0123456789abcdef",
+                "line 2: `bob` has the same token as `alice`",
+            ),
+        ] {
+            let e = parse_named_tokens(text).unwrap_err();
+            assert!(e.starts_with(expected), "{text:?}: {e}");
+            assert!(
+                !e.contains("0123456789") && !e.contains("short-secret"),
+                "{e}"
+            );
+        }
     }
 
     #[test]

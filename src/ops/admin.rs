@@ -14,6 +14,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use deadpool_postgres::Pool;
 
+use crate::config::Secret;
 use crate::metrics::Metrics;
 
 #[derive(Clone)]
@@ -22,9 +23,126 @@ pub struct AdminState {
     pub pool: Pool,
     /// Set once topics exist and the consumer is subscribed; cleared when all brokers are down.
     pub kafka_up: Arc<AtomicBool>,
-    /// Bearer token of the endpoints that change state; None turns them off.
-    pub token: Option<Arc<String>>,
+    /// Who may read and who may change state.
+    pub tokens: Arc<Tokens>,
     pub schema: String,
+}
+
+/// The bearer tokens of the `/v1/` endpoints.
+pub struct Tokens {
+    /// The shared admin token: reads and changes; the body's `by` says who decided.
+    pub admin: Option<Secret>,
+    /// Named admin tokens: reads and changes, recorded under the token's name.
+    pub named: Vec<crate::config::NamedToken>,
+    /// Reads only.
+    pub read: Option<Secret>,
+    /// The listener is on a loopback address: without any token, reads are served there only.
+    pub loopback: bool,
+}
+
+/// Who a request is, by its bearer token.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Caller {
+    /// The shared admin token.
+    Admin,
+    /// A named admin token.
+    Named(String),
+    Reader,
+    /// No `Authorization` header.
+    Anonymous,
+    /// A token that is none of them.
+    Wrong,
+}
+
+/// Who made a decision, as it is recorded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Decider {
+    /// The shared token does not say who holds it: the body's `by` does.
+    Shared,
+    /// The token's name; a `by` naming somebody else is refused.
+    Named(String),
+}
+
+impl Tokens {
+    fn caller(&self, headers: &HeaderMap) -> Caller {
+        let Some(value) = headers.get(header::AUTHORIZATION) else {
+            return Caller::Anonymous;
+        };
+        let given = value
+            .to_str()
+            .ok()
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .unwrap_or("");
+        let matches = |t: &Secret| constant_time_eq(given.as_bytes(), t.expose().as_bytes());
+        // Every token is compared, so the time taken does not tell which one was near.
+        let named = self.named.iter().fold(None, |found, n| {
+            if matches(&n.token) {
+                Some(n.name.clone())
+            } else {
+                found
+            }
+        });
+        if self.admin.as_ref().is_some_and(matches) {
+            Caller::Admin
+        } else if let Some(name) = named {
+            Caller::Named(name)
+        } else if self.read.as_ref().is_some_and(matches) {
+            Caller::Reader
+        } else {
+            Caller::Wrong
+        }
+    }
+
+    fn any_admin(&self) -> bool {
+        self.admin.is_some() || !self.named.is_empty()
+    }
+
+    /// `/v1/` reads: any token; without any token configured, only on a loopback listener.
+    fn may_read(&self, headers: &HeaderMap) -> Result<(), AdminError> {
+        let none_configured = !self.any_admin() && self.read.is_none();
+        match self.caller(headers) {
+            Caller::Admin | Caller::Named(_) | Caller::Reader => Ok(()),
+            Caller::Anonymous if none_configured && self.loopback => Ok(()),
+            Caller::Anonymous if none_configured => Err(error(
+                StatusCode::FORBIDDEN,
+                "reads on a listener that is not loopback need a token: set IDEM_ADMIN_READ_TOKEN or IDEM_ADMIN_TOKEN",
+            )),
+            Caller::Anonymous | Caller::Wrong => Err(unauthorized()),
+        }
+    }
+
+    /// Changes of state: an admin token only; off when none is configured.
+    fn may_change(&self, headers: &HeaderMap) -> Result<Decider, AdminError> {
+        if !self.any_admin() {
+            return Err(error(
+                StatusCode::FORBIDDEN,
+                "admin actions are off: set IDEM_ADMIN_TOKEN, IDEM_ADMIN_TOKEN_FILE or IDEM_ADMIN_TOKENS_FILE to turn them on",
+            ));
+        }
+        match self.caller(headers) {
+            Caller::Admin => Ok(Decider::Shared),
+            Caller::Named(name) => Ok(Decider::Named(name)),
+            Caller::Reader => Err(error(
+                StatusCode::FORBIDDEN,
+                "the read-only token cannot change state",
+            )),
+            Caller::Anonymous | Caller::Wrong => Err(unauthorized()),
+        }
+    }
+}
+
+fn unauthorized() -> AdminError {
+    tracing::warn!("admin request refused: missing or wrong bearer token");
+    error(StatusCode::UNAUTHORIZED, "missing or wrong bearer token")
+}
+
+/// A database error as the caller sees it: the detail (SQL, host names) goes to the log only.
+fn unavailable(e: impl std::fmt::Display) -> AdminError {
+    tracing::warn!(error = %e, "admin request failed on the database");
+    error(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "the database is unavailable; the relay's log has the detail",
+    )
 }
 
 /// Decisions are small: a larger body is refused before it is read.
@@ -53,7 +171,14 @@ async fn metrics(State(s): State<AdminState>) -> impl IntoResponse {
     )
 }
 
-async fn explain(State(s): State<AdminState>, Path(key): Path<String>) -> Response {
+async fn explain(
+    State(s): State<AdminState>,
+    headers: HeaderMap,
+    Path(key): Path<String>,
+) -> Response {
+    if let Err(refused) = s.tokens.may_read(&headers) {
+        return refused.into_response();
+    }
     match crate::ops::explain(&s.pool, &key).await {
         Ok(e) => Json(e).into_response(),
         Err(e @ crate::ops::InspectError::NotFound(_)) => (
@@ -61,11 +186,7 @@ async fn explain(State(s): State<AdminState>, Path(key): Path<String>) -> Respon
             Json(serde_json::json!({"error": e.to_string()})),
         )
             .into_response(),
-        Err(e) => (
-            StatusCode::SERVICE_UNAVAILABLE,
-            Json(serde_json::json!({"error": e.to_string()})),
-        )
-            .into_response(),
+        Err(e) => unavailable(e).into_response(),
     }
 }
 
@@ -98,17 +219,28 @@ async fn readyz(State(s): State<AdminState>) -> (StatusCode, String) {
     }
 }
 
-/// What a person sends with a decision; `by` and `reason` are recorded.
+/// What a person sends with a decision; `by` (or the token's name) and `reason` are recorded.
 #[derive(Debug, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
 struct DecisionBody {
-    by: String,
+    /// Who decides: required with the shared token; with a named token, optional and, when
+    /// given, the token's name.
+    #[serde(default)]
+    by: Option<String>,
     reason: String,
     /// The material fingerprint the person looked at (from explain); checked when given.
     #[serde(default)]
     fingerprint: Option<String>,
     /// For resolve: `succeeded`, `failed` or `retry`.
     #[serde(default, rename = "as")]
+    resolution: Option<String>,
+}
+
+/// A decision as it is recorded: who and why.
+struct Decision {
+    by: String,
+    reason: String,
+    fingerprint: Option<String>,
     resolution: Option<String>,
 }
 
@@ -143,44 +275,39 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-/// Checks the bearer token; the endpoints are off when none is configured.
-fn authorize(s: &AdminState, headers: &HeaderMap) -> Result<(), AdminError> {
-    let Some(token) = &s.token else {
-        return Err(error(
-            StatusCode::FORBIDDEN,
-            "admin actions are off: set IDEM_ADMIN_TOKEN or IDEM_ADMIN_TOKEN_FILE to turn them on",
-        ));
-    };
-    let given = headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .unwrap_or("");
-    if constant_time_eq(given.as_bytes(), token.as_bytes()) {
-        Ok(())
-    } else {
-        tracing::warn!("admin request refused: missing or wrong bearer token");
-        Err(error(
-            StatusCode::UNAUTHORIZED,
-            "missing or wrong bearer token",
-        ))
-    }
-}
-
-fn body(bytes: &[u8]) -> Result<DecisionBody, AdminError> {
+fn body(bytes: &[u8], decider: Decider) -> Result<Decision, AdminError> {
     let b: DecisionBody = serde_json::from_slice(bytes).map_err(|e| {
         error(
             StatusCode::BAD_REQUEST,
             format!("body must be {{\"by\": …, \"reason\": …}}: {e}"),
         )
     })?;
-    if b.by.trim().is_empty() || b.reason.trim().is_empty() {
-        return Err(error(
-            StatusCode::BAD_REQUEST,
-            "by and reason must not be empty",
-        ));
+    if b.reason.trim().is_empty() {
+        return Err(error(StatusCode::BAD_REQUEST, "reason must not be empty"));
     }
-    Ok(b)
+    let by = match (decider, b.by) {
+        (Decider::Named(name), None) => name,
+        (Decider::Named(name), Some(by)) if by == name => name,
+        (Decider::Named(name), Some(by)) => {
+            return Err(error(
+                StatusCode::FORBIDDEN,
+                format!("the token is {name}'s; it cannot decide as `{by}`"),
+            ))
+        }
+        (Decider::Shared, Some(by)) if !by.trim().is_empty() => by,
+        (Decider::Shared, _) => {
+            return Err(error(
+                StatusCode::BAD_REQUEST,
+                "by must name who decides (the shared admin token does not say)",
+            ))
+        }
+    };
+    Ok(Decision {
+        by,
+        reason: b.reason,
+        fingerprint: b.fingerprint,
+        resolution: b.resolution,
+    })
 }
 
 /// A decision's body, once the caller is authorized.
@@ -188,9 +315,9 @@ fn authorized_body(
     s: &AdminState,
     headers: &HeaderMap,
     bytes: &[u8],
-) -> Result<DecisionBody, AdminError> {
-    authorize(s, headers)?;
-    body(bytes)
+) -> Result<Decision, AdminError> {
+    let decider = s.tokens.may_change(headers)?;
+    body(bytes, decider)
 }
 
 async fn decide(
@@ -225,7 +352,7 @@ async fn decide(
         Err(e @ (E::NotPending { .. } | E::FingerprintMismatch { .. })) => {
             error(StatusCode::CONFLICT, e.to_string()).into_response()
         }
-        Err(e @ E::Db(_)) => error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()).into_response(),
+        Err(e @ E::Db(_)) => unavailable(e).into_response(),
     }
 }
 
@@ -274,7 +401,7 @@ async fn resolve(
             .into_response(),
         Err(e @ E::NotFound(_)) => error(StatusCode::NOT_FOUND, e.to_string()).into_response(),
         Err(e @ E::NotParked { .. }) => error(StatusCode::CONFLICT, e.to_string()).into_response(),
-        Err(e @ E::Db(_)) => error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()).into_response(),
+        Err(e @ E::Db(_)) => unavailable(e).into_response(),
     }
 }
 
