@@ -222,16 +222,16 @@ impl Tasks {
         let stop_background = CancellationToken::new();
         let publisher_drained = CancellationToken::new();
 
-        let admin_stop = stop_background.clone();
-        let admin = tokio::spawn(async move {
-            use axum::serve::ListenerExt;
-            let listener = listener.tap_io(|tcp| {
-                let _ = tcp.set_nodelay(true);
-            });
-            let _ = axum::serve(listener, router)
-                .with_graceful_shutdown(async move { admin_stop.cancelled().await })
-                .await;
-        });
+        let admin = tokio::spawn(crate::ops::serve(
+            listener,
+            router,
+            crate::ops::Limits {
+                header_timeout: config.admin.header_timeout,
+                request_timeout: config.admin.request_timeout,
+                max_connections: config.admin.max_connections,
+            },
+            stop_background.clone(),
+        ));
         let listen = tokio::spawn(publish::listen(
             config.clone(),
             wake.clone(),

@@ -554,3 +554,92 @@ async fn a_named_token_decides_under_its_name() {
     assert_eq!(env.downstream.total_effects(), 1);
     relay.stop().await;
 }
+
+/// Slow or idle clients cannot hold the admin listener: a connection that sends no whole
+/// request head (idle keep-alive ones too) is closed after `admin.header_timeout`, and
+/// connections past `admin.max_connections` are closed unanswered; a client that behaves is
+/// still served once the others are gone.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_admin_listener_bounds_its_clients() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpStream;
+    let env = Env::new().await;
+    let text = env.config_text(REFUND, "").replace(
+        "listen = \"127.0.0.1:0\"",
+        "listen = \"127.0.0.1:0\"\nheader_timeout = \"1s\"\nmax_connections = 2",
+    );
+    let config = Config::from_toml(&text, |_| None).unwrap();
+    assert_eq!(config.admin.max_connections, 2, "the test's config took");
+    idem::db::migrate(&config.postgres).await.unwrap();
+    let relay = env.start(config).await;
+    let addr = relay.admin();
+    const REQUEST: &[u8] = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n";
+    // Reads until the server closes; what it sent before closing.
+    async fn until_closed(tcp: &mut TcpStream, within: Duration) -> Vec<u8> {
+        let mut got = Vec::new();
+        let mut buf = [0u8; 512];
+        let read_all = async {
+            loop {
+                match tcp.read(&mut buf).await {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => got.extend_from_slice(&buf[..n]),
+                }
+            }
+        };
+        tokio::time::timeout(within, read_all)
+            .await
+            .expect("the server closes the connection");
+        got
+    }
+    // A served request on a kept-alive connection: it holds one of the two places.
+    async fn served(addr: std::net::SocketAddr) -> TcpStream {
+        let mut tcp = TcpStream::connect(addr).await.unwrap();
+        tcp.write_all(REQUEST).await.unwrap();
+        let mut buf = [0u8; 512];
+        let n = tcp.read(&mut buf).await.unwrap();
+        assert!(
+            buf[..n].starts_with(b"HTTP/1.1 200"),
+            "served: {:?}",
+            String::from_utf8_lossy(&buf[..n])
+        );
+        tcp
+    }
+    let mut first = served(addr).await;
+    let mut second = served(addr).await;
+    let idle_since = std::time::Instant::now();
+    // Both places taken: a whole request on a third connection is closed unanswered.
+    let mut third = TcpStream::connect(addr).await.unwrap();
+    let _ = third.write_all(REQUEST).await;
+    let answer = until_closed(&mut third, Duration::from_secs(5)).await;
+    assert!(
+        answer.is_empty(),
+        "past max_connections: closed unanswered, got {:?}",
+        String::from_utf8_lossy(&answer)
+    );
+    // The idle ones are closed by the header timeout, not at once.
+    until_closed(&mut first, Duration::from_secs(10)).await;
+    until_closed(&mut second, Duration::from_secs(10)).await;
+    assert!(
+        idle_since.elapsed() >= Duration::from_millis(900),
+        "idle closed by the header timeout: {:?}",
+        idle_since.elapsed()
+    );
+    // Half a request head is closed by the header timeout too.
+    let mut slow = TcpStream::connect(addr).await.unwrap();
+    let slow_since = std::time::Instant::now();
+    slow.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
+        .await
+        .unwrap();
+    until_closed(&mut slow, Duration::from_secs(10)).await;
+    assert!(
+        slow_since.elapsed() >= Duration::from_millis(900),
+        "half a head: {:?}",
+        slow_since.elapsed()
+    );
+    // Their places are back: a client that behaves is served.
+    let metrics = reqwest::get(format!("http://{addr}/metrics"))
+        .await
+        .unwrap();
+    assert_eq!(metrics.status(), 200);
+    relay.stop().await;
+}

@@ -217,8 +217,17 @@ XML
   fi
 }
 
+# Alive: the process exists and is not a zombie (a kill -9'd broker no init has reaped yet).
+pid_alive() { [ -r "/proc/$1/stat" ] && ! awk '{ sub(/.*\) /, ""); exit ($1 == "Z" ? 0 : 1) }' "/proc/$1/stat"; }
+
 kafka_up() {
   tls_make
+  # A broker this script started that has died (kill -9): its port can still accept for a
+  # moment while the kernel tears it down, which would pass for "already running".
+  if [ -f "$kafka_dir/kafka.pid" ] && ! pid_alive "$(cat "$kafka_dir/kafka.pid")"; then
+    rm -f "$kafka_dir/kafka.pid"
+    wait_for "the dead Kafka to let go of $kafka_port" 60 "$kafka_dir/logs/server.log" port_closed "$kafka_port"
+  fi
   # A broker this script started before the SASL_SSL listener existed: restart it with it.
   if port_open "$kafka_port" && ! port_open "$sasl_port" && [ -f "$kafka_dir/kafka.pid" ]; then
     log "restarting Kafka to add the SASL_SSL listener on $sasl_port"

@@ -113,12 +113,18 @@ impl Default for RawRelay {
 #[serde(deny_unknown_fields, default)]
 pub(super) struct RawAdmin {
     pub(super) listen: String,
+    pub(super) header_timeout: String,
+    pub(super) request_timeout: String,
+    pub(super) max_connections: usize,
 }
 
 impl Default for RawAdmin {
     fn default() -> Self {
         Self {
             listen: "127.0.0.1:9464".into(),
+            header_timeout: "10s".into(),
+            request_timeout: "30s".into(),
+            max_connections: 256,
         }
     }
 }

@@ -79,6 +79,13 @@ pub struct RelayConfig {
 #[derive(Debug, Clone)]
 pub struct AdminConfig {
     pub listen: SocketAddr,
+    /// A connection that has not sent a whole request head within this is closed; idle
+    /// keep-alive connections too.
+    pub header_timeout: Duration,
+    /// A request (its body read and its answer) that takes longer is answered 503.
+    pub request_timeout: Duration,
+    /// Connections past this are closed as soon as they are accepted.
+    pub max_connections: usize,
     /// Bearer token for every `/v1/` endpoint, reads and changes; from `IDEM_ADMIN_TOKEN` or
     /// the file named by `IDEM_ADMIN_TOKEN_FILE`, never from the config text. None: the
     /// endpoints that change state are off.

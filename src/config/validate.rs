@@ -173,13 +173,6 @@ impl Config {
             return Err(invalid("relay.lease", "must be at least 1s"));
         }
 
-        let listen = raw.admin.listen.parse().map_err(|_| {
-            invalid(
-                "admin.listen",
-                format!("`{}` is not a socket address (host:port)", raw.admin.listen),
-            )
-        })?;
-
         let mut names = BTreeSet::new();
         let mut tools = Vec::with_capacity(raw.tools.len());
         for (i, t) in raw.tools.into_iter().enumerate() {
@@ -214,7 +207,7 @@ impl Config {
                 pool_size: positive("postgres.pool_size", p.pool_size)?,
             },
             relay,
-            admin: admin_section(listen, &env)?,
+            admin: admin_section(&raw.admin, &env)?,
             tools,
         })
     }
@@ -225,9 +218,26 @@ impl Config {
 }
 
 fn admin_section(
-    listen: std::net::SocketAddr,
+    raw: &RawAdmin,
     env: &impl Fn(&str) -> Option<String>,
 ) -> Result<AdminConfig, ConfigError> {
+    let listen = raw.listen.parse().map_err(|_| {
+        invalid(
+            "admin.listen",
+            format!("`{}` is not a socket address (host:port)", raw.listen),
+        )
+    })?;
+    let header_timeout = duration("admin.header_timeout", &raw.header_timeout)?;
+    let request_timeout = duration("admin.request_timeout", &raw.request_timeout)?;
+    if header_timeout.is_zero() || request_timeout.is_zero() {
+        return Err(invalid(
+            "admin.header_timeout",
+            "admin.header_timeout and admin.request_timeout must be more than 0",
+        ));
+    }
+    if raw.max_connections == 0 {
+        return Err(invalid("admin.max_connections", "must be at least 1"));
+    }
     let token = admin_token(env, ENV_ADMIN_TOKEN, ENV_ADMIN_TOKEN_FILE)?;
     let read_token = admin_token(env, ENV_ADMIN_READ_TOKEN, ENV_ADMIN_READ_TOKEN_FILE)?;
     if token.is_some() && token == read_token {
@@ -253,6 +263,9 @@ fn admin_section(
     }
     Ok(AdminConfig {
         listen,
+        header_timeout,
+        request_timeout,
+        max_connections: raw.max_connections,
         token,
         read_token,
         named_tokens,

@@ -7,9 +7,11 @@ use crate::db::DbError;
 pub mod admin;
 mod explain;
 mod resolve;
+mod serve;
 
 pub use explain::{explain, render};
 pub use resolve::{resolve, Resolution};
+pub use serve::{serve, Limits};
 
 #[derive(Debug, thiserror::Error)]
 pub enum InspectError {

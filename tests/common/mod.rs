@@ -697,6 +697,27 @@ pub fn kill_broker() -> BrokerKilled {
         .status()
         .unwrap();
     assert!(ok.success(), "kill -9 the broker");
+    // A killed JVM holds its listening sockets until the kernel has torn it down; starting
+    // the broker again before then would find the port open and wait on a dead broker
+    // (CI's chaos run failed that way). Gone means no such process, or only its zombie.
+    let pid = pid.trim();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let gone = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .map(|stat| {
+                stat.rsplit_once(") ")
+                    .is_none_or(|(_, rest)| rest.starts_with('Z'))
+            })
+            .unwrap_or(true);
+        if gone {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the killed broker (pid {pid}) still runs after 30 s"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
     BrokerKilled
 }
 
