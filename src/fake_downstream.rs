@@ -7,7 +7,8 @@
 //! - `GET /_counts`: `{"total": N, "requests": M, "by_key": {key: n}}`.
 //! - `POST /_script` `{"key": "k" (optional), "steps": [..]}`: the next requests (for that key,
 //!   or any) behave as scripted, one step each: `"ok"`, `{"delay_ms": N}`, `"effect_then_timeout"`,
-//!   `"effect_then_500"`, `"effect_then_drop"`, `"fail_500"`, `"drop"`, `{"status": N}` (no effect),
+//!   `"effect_then_500"`, `"effect_then_drop"`, `"effect_then_stream"` (a 200 whose body runs
+//!   for 50 MiB), `"fail_500"`, `"drop"`, `{"status": N}` (no effect),
 //!   `{"status": 429, "retry_after": S}`.
 //!
 //!   With `"verify": true` the steps script the verify endpoint instead: `{"status": N}` answers N
@@ -64,6 +65,8 @@ struct Inner {
     /// Scripted answers of the verify endpoint, per key.
     verify_script: HashMap<String, VecDeque<Step>>,
     verifications: u64,
+    /// Bytes of `effect_then_stream` bodies the relay has taken so far.
+    streamed: u64,
     /// The `traceparent` header of the last request per key.
     traceparents: HashMap<String, String>,
 }
@@ -74,6 +77,11 @@ pub struct FakeDownstream {
 }
 
 impl FakeDownstream {
+    /// Bytes of `effect_then_stream` bodies handed to the connection so far.
+    pub fn streamed_bytes(&self) -> u64 {
+        self.inner.lock().expect("not poisoned").streamed
+    }
+
     pub fn new(honor_key: bool) -> Self {
         let d = FakeDownstream::default();
         d.inner.lock().expect("not poisoned").honor_key = honor_key;
@@ -234,6 +242,28 @@ struct EffectQuery {
 }
 
 /// A body that fails after the status line: the client sees the connection cut mid-response.
+/// A 200 whose body goes on for 50 MiB (chunked, no length), counting what was taken.
+fn stream_without_end(d: FakeDownstream) -> Response {
+    const CHUNK: usize = 64 * 1024;
+    const TOTAL: u64 = 50 << 20;
+    let stream = futures::stream::unfold(0u64, move |sent| {
+        let d = d.clone();
+        async move {
+            if sent >= TOTAL {
+                return None;
+            }
+            d.inner.lock().expect("not poisoned").streamed += CHUNK as u64;
+            let chunk = axum::body::Bytes::from(vec![b' '; CHUNK]);
+            Some((Ok::<_, std::io::Error>(chunk), sent + CHUNK as u64))
+        }
+    });
+    Response::builder()
+        .status(StatusCode::OK)
+        .header("content-type", "application/json")
+        .body(Body::from_stream(stream))
+        .expect("valid response")
+}
+
 fn cut_off() -> Response {
     let stream = futures::stream::once(async {
         Err::<axum::body::Bytes, std::io::Error>(std::io::Error::other("cut"))
@@ -307,6 +337,10 @@ async fn effect(
             "effect_then_drop" => {
                 d.perform(&key, &tool);
                 cut_off()
+            }
+            "effect_then_stream" => {
+                d.perform(&key, &tool);
+                stream_without_end(d.clone())
             }
             "fail_500" => (StatusCode::INTERNAL_SERVER_ERROR, "internal error").into_response(),
             "drop" => cut_off(),

@@ -69,7 +69,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Handle
     let pool = db::data_path_pool(&config.postgres)?;
     // Pruning and the admin API (explain, approvals) plan with the server's own settings.
     let maintenance = db::pool(&config.postgres)?;
-    check_schema(&pool).await?;
+    check_schema(&pool, &config).await?;
     warn_about_gates(&config);
 
     let kafka = connect_kafka(&config, &metrics).await?;
@@ -357,8 +357,11 @@ async fn prune_loop(pool: Pool, config: Arc<Config>, shutdown: CancellationToken
     }
 }
 
-async fn check_schema(pool: &Pool) -> Result<(), RelayError> {
-    let client = pool.get().await.map_err(db::DbError::from)?;
+async fn check_schema(pool: &Pool, config: &Config) -> Result<(), RelayError> {
+    let client = pool
+        .get()
+        .await
+        .map_err(|e| db::DbError::from(e).with_tls_settings(&config.postgres))?;
     let found: i32 = match client
         .query_one(
             "select coalesce(max(version), 0) from idem_schema_versions",

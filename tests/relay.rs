@@ -871,6 +871,91 @@ async fn a_redirect_is_not_followed_and_fails_the_action() {
     stop.cancel();
 }
 
+/// A downstream that performs the effect and then streams a 50 MiB answer: the relay reads
+/// no more than its result cap, drops the connection, and records the success with the
+/// answer's size instead of its body (the relay's memory is not the downstream's to fill).
+#[tokio::test]
+async fn an_endless_answer_is_cut_at_the_cap_and_the_success_kept() {
+    let env = Env::new().await;
+    let key = "run_s:send_email:order_s";
+    env.downstream.script(
+        Some(key),
+        vec![idem::fake_downstream::Step::Named(
+            "effect_then_stream".into(),
+        )],
+    );
+    let outcomes = env.outcomes().await;
+    let relay = env.start(env.config(EMAIL, "").await).await;
+    env.producer()
+        .send(&action("evt-s", email("run_s", "order_s", "Your refund")))
+        .await;
+    let o = outcomes.answer("evt-s", "succeeded").await;
+    let result = &o["data"]["result"];
+    assert_eq!(result["truncated"], true, "{o}");
+    assert!(result["bytes"].as_u64().unwrap() > 256 * 1024, "{o}");
+    assert_eq!(env.downstream.effects(key), 1);
+    let streamed = env.downstream.streamed_bytes();
+    assert!(
+        streamed < 16 << 20,
+        "the relay stopped reading near the cap, not after {streamed} bytes"
+    );
+    relay.stop().await;
+}
+
+/// An argument that fills a URL path with `..` (or `.`, or nothing) would point the call at
+/// another resource: the action is rejected `invalid_args` before anything is recorded or
+/// sent, and the next one with a usable argument runs.
+#[tokio::test]
+async fn a_path_argument_of_dot_dot_is_rejected_before_the_call() {
+    const BY_ORDER: &str = r#"
+[[tools]]
+name = "send_email"
+class = "dangerous"
+key = ["run_id", "tool", "args.order"]
+executor = { kind = "http", url = "{downstream}/v1/{args.order}", timeout = "1s" }
+approval = "none"
+"#;
+    let env = Env::new().await;
+    let outcomes = env.outcomes().await;
+    let dead = env.dead_letters().await;
+    let relay = env.start(env.config(BY_ORDER, "").await).await;
+    let p = env.producer();
+    p.send(&action(
+        "evt-dots",
+        json!({"run_id": "run_d", "tool": "send_email", "args": {"order": ".."}}),
+    ))
+    .await;
+    // The fake downstream's route is /v1/{tool}: "send_email" as the order reaches it.
+    p.send(&action(
+        "evt-fine",
+        json!({"run_id": "run_d", "tool": "send_email", "args": {"order": "send_email"}}),
+    ))
+    .await;
+    let o = outcomes.answer("evt-dots", "rejected").await;
+    assert_eq!(o["data"]["error"]["code"], "invalid_args", "{o}");
+    assert!(
+        o["data"]["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("args.order"),
+        "{o}"
+    );
+    outcomes.answer("evt-fine", "succeeded").await;
+    dead.wait_for("the dead letter", Duration::from_secs(30), |all| {
+        !all.is_empty()
+    })
+    .await;
+    assert_eq!(
+        dead.all()[0]
+            .headers
+            .get("idem-dlq-reason")
+            .map(String::as_str),
+        Some("invalid_args")
+    );
+    assert_eq!(env.downstream.requests(), 1, "only the usable one was sent");
+    relay.stop().await;
+}
+
 /// Topics the relay creates get the broker's default replication unless
 /// `kafka.replication_factor` says otherwise; a factor the cluster cannot meet (2 on the single
 /// local broker) is refused by the broker, and the relay says so instead of creating a topic

@@ -190,3 +190,143 @@ fn the_kafka_client_is_built_with_tls_and_every_scram_mechanism() {
         assert!(made.is_ok(), "{mechanism}: {:?}", made.err());
     }
 }
+
+/// The local server's TLS-only role (`deploy/local/services.sh`: `hostssl` for `idem_tls`,
+/// `hostnossl … reject`), with these URL parameters.
+fn tls_postgres_url(params: &str) -> String {
+    format!(
+        "postgres://idem_tls:idem-tls@localhost:{}/idem?{params}",
+        pg_port()
+    )
+}
+
+fn with_postgres_url(env: &Env, url: &str) -> idem::config::Config {
+    let text = env.config_text(&email_tool(true), "").replacen(
+        &format!("url = \"{}\"", postgres_url()),
+        &format!("url = \"{url}\""),
+        1,
+    );
+    assert!(text.contains(url), "the postgres url was replaced");
+    idem::config::Config::from_toml(&text, |_| None).expect("the config is valid")
+}
+
+/// Every connection idem holds as `idem_tls`, and how many of them are encrypted.
+async fn tls_connections(env: &Env, query_prefix: &str) -> (i64, i64) {
+    let row = env
+        .pg()
+        .await
+        .query_one(
+            "select count(*) filter (where s.ssl), count(*)
+               from pg_stat_activity a join pg_stat_ssl s using (pid)
+              where a.usename = 'idem_tls' and a.application_name = 'idem'
+                and a.query like $1 || '%'",
+            &[&query_prefix],
+        )
+        .await
+        .unwrap();
+    (row.get(0), row.get(1))
+}
+
+/// `sslmode=verify-full` with the local CA: migrate, the relay's pools and its LISTEN
+/// connection all go over TLS, and an action runs end to end.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_relay_runs_over_postgres_tls_with_verify_full() {
+    let env = Env::new().await;
+    let ca = tls_dir().join("ca.pem");
+    let url = tls_postgres_url(&format!("sslmode=verify-full&sslrootcert={}", ca.display()));
+    let config = with_postgres_url(&env, &url);
+    idem::db::migrate(&config.postgres)
+        .await
+        .expect("migrate over TLS");
+    let relay = env.start(config).await;
+    let outcomes = env.outcomes().await;
+    let event = action(
+        "tls-1",
+        serde_json::json!({"tool": "send_email", "run_id": "run_pg_tls", "business_id": "o1",
+                           "args": {"to": "a@example.com"}}),
+    );
+    env.producer().send(&event).await;
+    outcomes.answer("tls-1", "succeeded").await;
+    assert_eq!(env.downstream.effects("run_pg_tls:send_email:o1"), 1);
+    eventually(
+        "the LISTEN connection is up",
+        Duration::from_secs(20),
+        || async { tls_connections(&env, "listen ").await.1 >= 1 },
+    )
+    .await;
+    let (encrypted, all) = tls_connections(&env, "").await;
+    assert!(all >= 2, "the relay holds connections as idem_tls: {all}");
+    assert_eq!(encrypted, all, "every connection is encrypted");
+    relay.stop().await;
+}
+
+/// Each `sslmode` against the local server, through `migrate`: what connects, and what is
+/// refused says why (the certificate's CA; the server's hostssl-only rule).
+#[tokio::test(flavor = "multi_thread")]
+async fn each_sslmode_connects_or_says_why_not() {
+    let env = Env::new().await;
+    let ca = tls_dir().join("ca.pem").display().to_string();
+    let other_ca = tls_dir().join("other-ca.pem").display().to_string();
+    let cases: &[(String, Result<(), &[&str]>)] = &[
+        ("sslmode=prefer".into(), Ok(())),
+        ("sslmode=require".into(), Ok(())),
+        (format!("sslmode=verify-ca&sslrootcert={ca}"), Ok(())),
+        (format!("sslmode=verify-full&sslrootcert={ca}"), Ok(())),
+        (
+            format!("sslmode=verify-full&sslrootcert={other_ca}"),
+            Err(&[
+                "certificate",
+                "UnknownIssuer",
+                "sslmode=verify-full",
+                "other-ca.pem",
+            ]),
+        ),
+        (
+            format!("sslmode=require&sslrootcert={other_ca}"),
+            Err(&["certificate", "UnknownIssuer"]),
+        ),
+        (
+            "sslmode=disable".into(),
+            Err(&["pg_hba.conf", "no encryption", "28000"]),
+        ),
+    ];
+    for (params, expected) in cases {
+        let config = with_postgres_url(&env, &tls_postgres_url(params));
+        let got = idem::db::migrate(&config.postgres).await;
+        match (expected, got) {
+            (Ok(()), Ok(_)) => {}
+            (Err(words), Err(e)) => {
+                let said = e.to_string();
+                for word in *words {
+                    assert!(
+                        said.contains(word),
+                        "{params}: the error names {word:?}: {said}"
+                    );
+                }
+                assert!(!said.contains("idem-tls"), "no password in errors: {said}");
+            }
+            (Ok(()), Err(e)) => panic!("{params}: expected to connect: {e} ({e:?})"),
+            (Err(_), Ok(_)) => panic!("{params}: expected a refusal"),
+        }
+    }
+}
+
+/// A relay whose Postgres certificate is from another CA does not start, and says so.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_postgres_certificate_from_another_ca_stops_the_relay_start() {
+    let env = Env::new().await;
+    let url = tls_postgres_url(&format!(
+        "sslmode=verify-full&sslrootcert={}",
+        tls_dir().join("other-ca.pem").display()
+    ));
+    let config = with_postgres_url(&env, &url);
+    let started = idem::relay::start(config, tokio_util::sync::CancellationToken::new()).await;
+    let e = started
+        .err()
+        .expect("the relay refuses to start")
+        .to_string();
+    assert!(
+        e.contains("certificate") && e.contains("sslmode=verify-full"),
+        "{e}"
+    );
+}

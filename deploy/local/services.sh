@@ -6,6 +6,8 @@
 #   deploy/local/services.sh status  say what answers
 #
 # PostgreSQL: postgres://idem:idem@127.0.0.1:5432/idem   (Debian's packages)
+#             ssl = on with the local CA's certificate; role idem_tls / idem-tls connects
+#             over TLS only (hostssl)
 # Kafka:      127.0.0.1:9092                              (jars from Maven Central, Java 17)
 #             localhost:9094  SASL_SSL, SCRAM-SHA-512 user idem / idem-secret, certificate
 #                             signed by the local CA in $IDEM_LOCAL_DIR/tls/ca.pem
@@ -121,6 +123,7 @@ CONF
       pg_as_superuser -c "create database idem owner idem"
     fi
   fi
+  pg_tls
   # Statement statistics, for profiling (`select * from pg_stat_statements`).
   if command -v runuser >/dev/null && id postgres >/dev/null 2>&1 &&
      [ -z "$(pg_as_superuser -d idem -c "select 1 from pg_extension where extname = 'pg_stat_statements'")" ]; then
@@ -128,6 +131,52 @@ CONF
   fi
   log "postgres ready: postgres://idem:idem@127.0.0.1:$pg_port/idem"
 }
+
+# TLS on the local server, with the local CA's certificate, and a role that may only connect
+# over it (idem_tls / idem-tls, hostssl only): what the Postgres TLS tests connect as.
+pg_tls() {
+  command -v runuser >/dev/null && id postgres >/dev/null 2>&1 || return 0
+  tls_make
+  local version etc
+  version=$(pg_as_superuser -c "show server_version_num" | cut -c1-2)
+  etc=/etc/postgresql/$version/main
+  [ -d "$etc" ] || return 0
+  local changed=0
+  if ! cmp -s "$tls_dir/server.pem" "$etc/idem-server.pem" 2>/dev/null; then
+    install -o postgres -g postgres -m 0644 "$tls_dir/server.pem" "$etc/idem-server.pem"
+    install -o postgres -g postgres -m 0600 "$tls_dir/server.key" "$etc/idem-server.key"
+    changed=1
+  fi
+  local conf=$etc/conf.d/idem-tls.conf
+  if [ ! -f "$conf" ]; then
+    printf "ssl = on\nssl_cert_file = '%s'\nssl_key_file = '%s'\n" \
+      "$etc/idem-server.pem" "$etc/idem-server.key" > "$conf"
+    changed=1
+  fi
+  # First match wins: these go above Debian's own lines.
+  if ! grep -q '^# idem: idem_tls' "$etc/pg_hba.conf"; then
+    { printf '# idem: idem_tls connects over TLS only\n'
+      printf 'hostssl   all idem_tls 127.0.0.1/32 scram-sha-256\n'
+      printf 'hostssl   all idem_tls ::1/128      scram-sha-256\n'
+      printf 'hostnossl all idem_tls 127.0.0.1/32 reject\n'
+      printf 'hostnossl all idem_tls ::1/128      reject\n'
+      cat "$etc/pg_hba.conf"; } > "$etc/pg_hba.conf.new"
+    chown postgres:postgres "$etc/pg_hba.conf.new"
+    mv "$etc/pg_hba.conf.new" "$etc/pg_hba.conf"
+    changed=1
+  fi
+  if [ -z "$(pg_as_superuser -c "select 1 from pg_roles where rolname = 'idem_tls'")" ]; then
+    # idem may drop what the tests made as idem_tls (deploy/test.sh cleans schemas as idem).
+    pg_as_superuser -c "create role idem_tls login password 'idem-tls'; grant create, connect on database idem to idem_tls; grant idem_tls to idem"
+  fi
+  if [ $changed = 1 ]; then
+    pg_as_superuser -c "select pg_reload_conf()" >/dev/null
+    wait_for "PostgreSQL with ssl = on" 30 "/var/log/postgresql/postgresql-$version-main.log" pg_ssl_on
+    log "postgres TLS: postgres://idem_tls:idem-tls@localhost:$pg_port/idem?sslmode=verify-full&sslrootcert=$tls_dir/ca.pem"
+  fi
+}
+
+pg_ssl_on() { [ "$(pg_as_superuser -c 'show ssl')" = on ]; }
 
 pg_down() {
   if [ -f "$state/postgres.started" ]; then

@@ -15,6 +15,7 @@ pub enum DeadLetterReason {
     UnknownTool,
     Oversize,
     InvalidKey,
+    InvalidArgs,
 }
 
 impl DeadLetterReason {
@@ -26,6 +27,7 @@ impl DeadLetterReason {
             DeadLetterReason::UnknownTool => "unknown_tool",
             DeadLetterReason::Oversize => "oversize",
             DeadLetterReason::InvalidKey => "invalid_key",
+            DeadLetterReason::InvalidArgs => "invalid_args",
         }
     }
 
@@ -34,6 +36,7 @@ impl DeadLetterReason {
         match self {
             DeadLetterReason::UnknownTool => ErrorCode::UnknownTool,
             DeadLetterReason::InvalidKey => ErrorCode::InvalidKey,
+            DeadLetterReason::InvalidArgs => ErrorCode::InvalidArgs,
             _ => ErrorCode::SchemaInvalid,
         }
     }

@@ -135,7 +135,10 @@ impl Config {
 
         let p = raw.postgres;
         let url = env(ENV_POSTGRES_URL).unwrap_or(p.url);
-        url.parse::<tokio_postgres::Config>()
+        let (driver_url, _) =
+            crate::db::TlsParams::split(&url).map_err(|e| invalid("postgres.url", e))?;
+        driver_url
+            .parse::<tokio_postgres::Config>()
             .map_err(|e| invalid("postgres.url", format!("not a Postgres URL: {e}")))?;
         let schema_ok = !p.schema.is_empty()
             && p.schema.len() <= 63
@@ -704,6 +707,18 @@ fn url_template(field: &str, url: &str) -> Result<(), ConfigError> {
             format!("`{url}` must start with http:// or https://"),
         ));
     }
+    // A filled scheme, host or port would let an action's arguments choose where the effect
+    // goes; only the path and query are the arguments' to fill.
+    let after_scheme = &url[url.find("://").map_or(0, |i| i + 3)..];
+    let authority = after_scheme
+        .find(['/', '?', '#'])
+        .map_or(after_scheme, |end| &after_scheme[..end]);
+    if authority.contains('{') {
+        return Err(invalid(
+            field,
+            format!("`{url}`: placeholders may stand only in the path and query, not in the host or port"),
+        ));
+    }
     for placeholder in placeholders(url) {
         if placeholder != "key" {
             FieldPath::parse(field, &placeholder)?;
@@ -808,6 +823,16 @@ mod tests {
     #[test]
     fn url_templates_need_a_scheme_and_known_placeholders() {
         assert!(url_template("f", "https://x/{key}/{args.id}").is_ok());
+        for url in [
+            "https://{args.host}/v1",
+            "https://api.example.com:{args.port}/v1",
+            "https://{key}.example.com",
+            "http://user:{args.p}@x/",
+        ] {
+            let e = reason(url_template("f", url).unwrap_err());
+            assert!(e.contains("only in the path and query"), "{url}: {e}");
+        }
+        assert!(url_template("f", "https://x:8443/v1/{args.id}?q={key}#top").is_ok());
         let e = reason(url_template("f", "ftp://x").unwrap_err());
         assert!(
             e.contains("`f`") && e.contains("http:// or https://"),

@@ -320,6 +320,14 @@ impl Consume {
                 partial: partial(),
             };
         };
+        if let Err(message) = crate::execute::url_args_usable(tool, &event.data) {
+            return Incoming::Rejected {
+                pos,
+                reason: action::DeadLetterReason::InvalidArgs,
+                message,
+                partial: partial(),
+            };
+        }
         match key::derive_key(tool, &event.data) {
             Ok(k) => {
                 let gates =

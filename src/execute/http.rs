@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Map, Value};
 
 use crate::action::key;
-use crate::config::{FieldPath, HttpExecutor, StatusClass};
+use crate::config::{ExecutorKind, FieldPath, HttpExecutor, StatusClass, Tool};
 
 /// What one HTTP attempt tells about the effect.
 #[derive(Debug)]
@@ -56,17 +56,49 @@ pub fn fill_url(template: &str, idem_key: &str, data: &crate::action::ActionData
         let value = if name == "key" {
             idem_key.to_string()
         } else {
-            match key::field(data, &FieldPath(name.to_string())).to_json() {
-                Value::String(s) => s,
-                Value::Null => String::new(),
-                other => other.to_string(),
-            }
+            placeholder_value(data, name)
         };
         out.push_str(&percent_encode(&value));
         rest = &rest[start + len + 1..];
     }
     out.push_str(rest);
     out
+}
+
+fn placeholder_value(data: &crate::action::ActionData, name: &str) -> String {
+    match key::field(data, &FieldPath(name.to_string())).to_json() {
+        Value::String(s) => s,
+        Value::Null => String::new(),
+        other => other.to_string(),
+    }
+}
+
+/// Refuses arguments that would change which resource a tool's URL path names: a path
+/// placeholder filled with `.` or `..` (a browser-style client or proxy resolves them: a refund
+/// of order `..` is a call of the collection) or with nothing (`/orders//refund`). The error
+/// names the placeholder. Query placeholders may be anything.
+pub fn url_args_usable(tool: &Tool, data: &crate::action::ActionData) -> Result<(), String> {
+    let ExecutorKind::Http(exec) = &tool.executor else {
+        return Ok(());
+    };
+    let templates =
+        std::iter::once(exec.url.as_str()).chain(tool.verify.as_ref().map(|v| v.url.as_str()));
+    for template in templates {
+        let path = template.split(['?', '#']).next().unwrap_or(template);
+        for name in crate::config::placeholders(path) {
+            if name == "key" {
+                continue;
+            }
+            let value = placeholder_value(data, &name);
+            if matches!(value.as_str(), "" | "." | "..") {
+                return Err(format!(
+                    "{name} is {value:?}; a value filling the URL path of tool {} must not be empty, \".\" or \"..\"",
+                    tool.name
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 fn percent_encode(s: &str) -> String {
@@ -84,12 +116,44 @@ fn percent_encode(s: &str) -> String {
 /// Results are kept and copied into every outcome event of the key: at most this large.
 pub const MAX_RESULT_BYTES: usize = 256 * 1024;
 
-fn body_value(status: u16, bytes: &[u8]) -> Value {
-    let v = match serde_json::from_slice::<Value>(bytes) {
-        Ok(v) => v,
-        Err(_) => json!({"status": status, "body": String::from_utf8_lossy(bytes)}),
-    };
-    crate::outcome::storable_result(v, MAX_RESULT_BYTES)
+/// A response body, read no further than [`MAX_RESULT_BYTES`].
+enum Body {
+    Whole(Vec<u8>),
+    /// Larger than the cap: the rest was never read and the connection is dropped, so a
+    /// downstream that streams without end costs the relay the cap, not its memory.
+    Cut {
+        bytes: u64,
+    },
+}
+
+async fn read_capped(mut resp: reqwest::Response) -> Result<Body, reqwest::Error> {
+    let cap = MAX_RESULT_BYTES as u64;
+    if let Some(declared) = resp.content_length().filter(|n| *n > cap) {
+        return Ok(Body::Cut { bytes: declared });
+    }
+    let mut whole = Vec::new();
+    while let Some(chunk) = resp.chunk().await? {
+        whole.extend_from_slice(&chunk);
+        if whole.len() as u64 > cap {
+            return Ok(Body::Cut {
+                bytes: whole.len() as u64,
+            });
+        }
+    }
+    Ok(Body::Whole(whole))
+}
+
+fn body_value(status: u16, body: &Body) -> Value {
+    match body {
+        Body::Cut { bytes } => crate::outcome::too_large(*bytes, MAX_RESULT_BYTES),
+        Body::Whole(bytes) => {
+            let v = match serde_json::from_slice::<Value>(bytes) {
+                Ok(v) => v,
+                Err(_) => json!({"status": status, "body": String::from_utf8_lossy(bytes)}),
+            };
+            crate::outcome::storable_result(v, MAX_RESULT_BYTES)
+        }
+    }
 }
 
 fn retry_after(headers: &reqwest::header::HeaderMap) -> Option<Duration> {
@@ -152,15 +216,15 @@ pub async fn call(
             let status = resp.status().as_u16();
             let after = retry_after(resp.headers());
             let class = exec.status.classify(status);
-            match resp.bytes().await {
+            match read_capped(resp).await {
                 // The status line arrived but the body did not: for a success that is a reset
                 // mid-response, and the effect may well have happened.
                 Err(e) if class == StatusClass::Succeeded => Attempt::Ambiguous {
                     reason: format!("status {status} but the response body was cut off: {e}"),
                     status: Some(status),
                 },
-                Err(_) => classify_status(class, status, after, &[]),
-                Ok(bytes) => classify_status(class, status, after, &bytes),
+                Err(_) => classify_status(class, status, after, &Body::Whole(Vec::new())),
+                Ok(body) => classify_status(class, status, after, &body),
             }
         }
     };
@@ -171,7 +235,7 @@ fn classify_status(
     class: StatusClass,
     status: u16,
     after: Option<Duration>,
-    body: &[u8],
+    body: &Body,
 ) -> Attempt {
     match class {
         StatusClass::Succeeded => Attempt::Succeeded(body_value(status, body)),
@@ -245,7 +309,7 @@ pub async fn verify(
         Ok(r) => {
             let status = r.status().as_u16();
             match status {
-                200 => match r.bytes().await {
+                200 => match read_capped(r).await {
                     Ok(b) => (Verified::Done(body_value(status, &b)), Some(status)),
                     Err(e) => (
                         Verified::Inconclusive(format!("verify body cut off: {e}")),
@@ -280,23 +344,70 @@ mod tests {
     }
 
     #[test]
+    fn path_placeholders_refuse_dot_dotdot_and_empty_and_queries_do_not() {
+        let config = crate::config::Config::from_toml(
+            r#"
+[[tools]]
+name = "refund"
+class = "dangerous"
+key = ["args.order"]
+approval = "none"
+[tools.executor]
+kind = "http"
+url = "http://x/v1/orders/{args.order}/refund?note={args.note}"
+[tools.verify]
+url = "http://x/v1/refunds/{args.ref}"
+"#,
+            |_| None,
+        )
+        .unwrap();
+        let tool = &config.tools[0];
+        let data = |args: Value| -> crate::action::ActionData {
+            serde_json::from_value(json!({"run_id": "r", "tool": "refund", "args": args})).unwrap()
+        };
+        let ok = data(json!({"order": "o-1", "note": "", "ref": "a.b"}));
+        assert!(url_args_usable(tool, &ok).is_ok());
+        for bad in [
+            json!({"order": "..", "ref": "x"}),
+            json!({"order": ".", "ref": "x"}),
+            json!({"order": "", "ref": "x"}),
+            json!({"ref": "x"}),
+            json!({"order": "o-1", "ref": ".."}),
+        ] {
+            let e = url_args_usable(tool, &data(bad.clone())).unwrap_err();
+            assert!(e.contains("args.") && e.contains("refund"), "{bad}: {e}");
+        }
+    }
+
+    fn whole(bytes: &[u8]) -> Body {
+        Body::Whole(bytes.to_vec())
+    }
+
+    #[test]
+    fn a_cut_body_is_kept_as_its_size() {
+        let v = body_value(200, &Body::Cut { bytes: 50 << 20 });
+        assert_eq!(v["truncated"], true);
+        assert_eq!(v["bytes"], 50u64 << 20);
+    }
+
+    #[test]
     fn statuses_map_to_attempts() {
         assert!(
-            matches!(classify_status(StatusClass::Succeeded, 200, None, b"{\"id\":1}"), Attempt::Succeeded(v) if v["id"] == 1)
+            matches!(classify_status(StatusClass::Succeeded, 200, None, &whole(b"{\"id\":1}")), Attempt::Succeeded(v) if v["id"] == 1)
         );
         assert!(
-            matches!(classify_status(StatusClass::Succeeded, 204, None, b""), Attempt::Succeeded(v) if v["status"] == 204)
+            matches!(classify_status(StatusClass::Succeeded, 204, None, &whole(b"")), Attempt::Succeeded(v) if v["status"] == 204)
         );
         assert!(matches!(
-            classify_status(StatusClass::Failed, 422, None, b"no"),
+            classify_status(StatusClass::Failed, 422, None, &whole(b"no")),
             Attempt::Failed { status: 422, .. }
         ));
         assert!(matches!(
-            classify_status(StatusClass::Retry, 429, Some(Duration::from_secs(2)), b""),
+            classify_status(StatusClass::Retry, 429, Some(Duration::from_secs(2)), &whole(b"")),
             Attempt::Retry { status: 429, retry_after: Some(d) } if d == Duration::from_secs(2)
         ));
         assert!(matches!(
-            classify_status(StatusClass::Unknown, 500, None, b""),
+            classify_status(StatusClass::Unknown, 500, None, &whole(b"")),
             Attempt::Ambiguous {
                 status: Some(500),
                 ..

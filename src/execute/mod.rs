@@ -30,6 +30,7 @@ mod attempts;
 mod call;
 pub(crate) mod claim;
 pub(crate) mod http;
+pub(crate) use http::url_args_usable;
 mod lease;
 mod sql_tool;
 

@@ -23,14 +23,19 @@ pub fn storable_result(v: Value, max_bytes: usize) -> Value {
     let v = strip(v);
     let size = serde_json::to_vec(&v).map_or(0, |b| b.len());
     if size > max_bytes {
-        serde_json::json!({
-            "truncated": true,
-            "bytes": size,
-            "note": format!("the downstream's answer was larger than {max_bytes} bytes and is not kept"),
-        })
+        too_large(size as u64, max_bytes)
     } else {
         v
     }
+}
+
+/// What is kept of an answer larger than `max_bytes`: its size.
+pub fn too_large(bytes: u64, max_bytes: usize) -> Value {
+    serde_json::json!({
+        "truncated": true,
+        "bytes": bytes,
+        "note": format!("the downstream's answer was larger than {max_bytes} bytes and is not kept"),
+    })
 }
 /// Status of a key as reported in outcome events.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -75,6 +80,9 @@ pub enum ErrorCode {
     UnknownTool,
     /// The key could not be derived, or is not a usable key.
     InvalidKey,
+    /// An argument the tool's URL is filled with is empty, `.` or `..` (it would change which
+    /// resource the path names).
+    InvalidArgs,
     /// Same key, different material fields.
     KeyConflict,
     /// A 4xx, or the SQL statement failed: not done.
@@ -96,10 +104,11 @@ pub enum ErrorCode {
 }
 
 impl ErrorCode {
-    pub const ALL: [ErrorCode; 14] = [
+    pub const ALL: [ErrorCode; 15] = [
         ErrorCode::SchemaInvalid,
         ErrorCode::UnknownTool,
         ErrorCode::InvalidKey,
+        ErrorCode::InvalidArgs,
         ErrorCode::KeyConflict,
         ErrorCode::DownstreamRejected,
         ErrorCode::DownstreamUnavailable,
@@ -118,6 +127,7 @@ impl ErrorCode {
             ErrorCode::SchemaInvalid => "schema_invalid",
             ErrorCode::UnknownTool => "unknown_tool",
             ErrorCode::InvalidKey => "invalid_key",
+            ErrorCode::InvalidArgs => "invalid_args",
             ErrorCode::KeyConflict => "key_conflict",
             ErrorCode::DownstreamRejected => "downstream_rejected",
             ErrorCode::DownstreamUnavailable => "downstream_unavailable",

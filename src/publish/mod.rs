@@ -10,7 +10,7 @@ use futures::StreamExt;
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::FutureRecord;
 use tokio::sync::Notify;
-use tokio_postgres::{AsyncMessage, NoTls};
+use tokio_postgres::AsyncMessage;
 use tokio_util::sync::CancellationToken;
 
 use crate::action::STRUCTURED_CONTENT_TYPE;
@@ -201,8 +201,8 @@ pub async fn listen(config: Arc<Config>, wake: Arc<Notify>, shutdown: Cancellati
     let channel = crate::publish::outbox::outbox_channel(&config.postgres.schema);
     loop {
         let attempt = async {
-            let pg = db::pg_config(&config.postgres)?;
-            let (client, mut connection) = pg.connect(NoTls).await.map_err(DbError::from)?;
+            let (pg, tls) = db::pg_config(&config.postgres)?;
+            let (client, mut connection) = pg.connect(tls).await.map_err(DbError::from)?;
             let mut messages = futures::stream::poll_fn(move |cx| connection.poll_message(cx));
             let statement = format!("listen {channel}");
             let listen = client.batch_execute(&statement);

@@ -4,36 +4,40 @@ use std::time::Duration;
 
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
 use tokio_postgres::error::SqlState;
-use tokio_postgres::NoTls;
+use tokio_postgres_rustls::MakeRustlsConnect;
 
 use crate::config::PostgresConfig;
+
+mod tls;
+
+pub use tls::{Roots, SslMode, TlsParams};
 
 /// Migrations, applied in order; the number is the version recorded.
 const MIGRATIONS: &[(i32, &str, &str)] = &[
     (
         1,
         "0001_core",
-        include_str!("../schemas/postgres/0001_core.sql"),
+        include_str!("../../schemas/postgres/0001_core.sql"),
     ),
     (
         2,
         "0002_attempts",
-        include_str!("../schemas/postgres/0002_attempts.sql"),
+        include_str!("../../schemas/postgres/0002_attempts.sql"),
     ),
     (
         3,
         "0003_gates",
-        include_str!("../schemas/postgres/0003_gates.sql"),
+        include_str!("../../schemas/postgres/0003_gates.sql"),
     ),
     (
         4,
         "0004_attempt_hot_updates",
-        include_str!("../schemas/postgres/0004_attempt_hot_updates.sql"),
+        include_str!("../../schemas/postgres/0004_attempt_hot_updates.sql"),
     ),
     (
         5,
         "0005_outbox_quarantine",
-        include_str!("../schemas/postgres/0005_outbox_quarantine.sql"),
+        include_str!("../../schemas/postgres/0005_outbox_quarantine.sql"),
     ),
 ];
 
@@ -54,7 +58,7 @@ pub(crate) use from_postgres;
 pub enum DbError {
     #[error("postgres: {}", describe(.0))]
     Postgres(#[from] tokio_postgres::Error),
-    #[error("postgres pool: {0}")]
+    #[error("postgres pool: {}", describe_pool(.0))]
     Pool(#[from] deadpool_postgres::PoolError),
     #[error("postgres pool setup: {0}")]
     Build(String),
@@ -62,6 +66,18 @@ pub enum DbError {
     /// is done again from the start.
     #[error("intent of key {0} vanished while its batch was recorded")]
     Vanished(String),
+    /// The TLS handshake failed: what the URL asked of the server's certificate, and why.
+    #[error("postgres tls handshake failed ({asked}): {reason}")]
+    Tls { asked: String, reason: String },
+}
+
+/// A pool error; a server's refusal to connect (a pg_hba rule, a wrong password) with its
+/// message and SQLSTATE.
+fn describe_pool(e: &deadpool_postgres::PoolError) -> String {
+    match e {
+        deadpool_postgres::PoolError::Backend(e) => format!("cannot connect: {}", describe(e)),
+        other => other.to_string(),
+    }
 }
 
 /// A server error with its SQLSTATE and message (tokio-postgres alone says only "db error").
@@ -105,9 +121,36 @@ pub fn fault_of(sqlstate: Option<&str>) -> Fault {
 }
 
 impl DbError {
+    /// A failed TLS handshake said with the settings it was made under (the driver says only
+    /// "error performing TLS handshake"); any other error unchanged.
+    pub fn with_tls_settings(self, cfg: &PostgresConfig) -> DbError {
+        let mut source: Option<&(dyn std::error::Error + 'static)> = Some(&self);
+        let mut reason = None;
+        while let Some(e) = source {
+            // tokio-rustls hands rustls' error on inside an io::Error.
+            let tls = e.downcast_ref::<rustls::Error>().or_else(|| {
+                e.downcast_ref::<std::io::Error>()
+                    .and_then(|io| io.get_ref())
+                    .and_then(|inner| inner.downcast_ref::<rustls::Error>())
+            });
+            if let Some(tls) = tls {
+                reason = Some(tls.to_string());
+                break;
+            }
+            source = e.source();
+        }
+        match (reason, TlsParams::split(&cfg.url)) {
+            (Some(reason), Ok((_, params))) => DbError::Tls {
+                asked: params.describe(),
+                reason,
+            },
+            _ => self,
+        }
+    }
+
     pub fn fault(&self) -> Fault {
         match self {
-            DbError::Build(_) => Fault::Other,
+            DbError::Build(_) | DbError::Tls { .. } => Fault::Other,
             DbError::Vanished(_) => Fault::Unavailable,
             DbError::Postgres(e) => fault_of(e.code().map(SqlState::code)),
             DbError::Pool(deadpool_postgres::PoolError::Backend(e)) => {
@@ -171,15 +214,22 @@ pub fn sqlstate(e: &tokio_postgres::Error) -> Option<String> {
     e.code().map(|c| c.code().to_string())
 }
 
-pub fn pg_config(cfg: &PostgresConfig) -> Result<tokio_postgres::Config, DbError> {
+/// A connection's settings and the TLS connector its URL asks for.
+pub fn pg_config(
+    cfg: &PostgresConfig,
+) -> Result<(tokio_postgres::Config, MakeRustlsConnect), DbError> {
     pg_config_with(cfg, "")
 }
 
-fn pg_config_with(cfg: &PostgresConfig, extra: &str) -> Result<tokio_postgres::Config, DbError> {
-    let mut pg: tokio_postgres::Config = cfg
-        .url
+fn pg_config_with(
+    cfg: &PostgresConfig,
+    extra: &str,
+) -> Result<(tokio_postgres::Config, MakeRustlsConnect), DbError> {
+    let (url, tls) = TlsParams::split(&cfg.url).map_err(DbError::Build)?;
+    let mut pg: tokio_postgres::Config = url
         .parse()
         .map_err(|e: tokio_postgres::Error| DbError::Build(e.to_string()))?;
+    pg.ssl_mode(tls.driver_mode());
     // The schema is validated as a plain identifier by the config.
     pg.options(format!("-c search_path={}{extra}", cfg.schema));
     pg.application_name("idem");
@@ -188,7 +238,10 @@ fn pg_config_with(cfg: &PostgresConfig, extra: &str) -> Result<tokio_postgres::C
     }
     pg.keepalives(true);
     pg.keepalives_idle(KEEPALIVE_IDLE);
-    Ok(pg)
+    let connector = tls
+        .connector()
+        .map_err(|e| DbError::Build(format!("tls: {e}")))?;
+    Ok((pg, connector))
 }
 
 /// Session settings of the relay's data path. Each of its statements finds its rows through an
@@ -230,10 +283,13 @@ pub fn pool(cfg: &PostgresConfig) -> Result<Pool, DbError> {
     pool_of(pg_config(cfg)?, cfg.pool_size)
 }
 
-fn pool_of(pg: tokio_postgres::Config, size: usize) -> Result<Pool, DbError> {
+fn pool_of(
+    (pg, tls): (tokio_postgres::Config, MakeRustlsConnect),
+    size: usize,
+) -> Result<Pool, DbError> {
     let manager = Manager::from_config(
         pg,
-        NoTls,
+        tls,
         ManagerConfig {
             recycling_method: RecyclingMethod::Fast,
         },
@@ -251,6 +307,12 @@ fn pool_of(pg: tokio_postgres::Config, size: usize) -> Result<Pool, DbError> {
 /// Applies the migrations not yet recorded. Safe to run twice and from two relays at once:
 /// everything happens in one transaction under an advisory lock named for the schema.
 pub async fn migrate(cfg: &PostgresConfig) -> Result<Vec<i32>, DbError> {
+    migrate_once(cfg)
+        .await
+        .map_err(|e| e.with_tls_settings(cfg))
+}
+
+async fn migrate_once(cfg: &PostgresConfig) -> Result<Vec<i32>, DbError> {
     let pool = pool(cfg)?;
     let mut client = pool.get().await?;
     let tx = client.transaction().await?;
