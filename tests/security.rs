@@ -330,3 +330,162 @@ async fn a_postgres_certificate_from_another_ca_stops_the_relay_start() {
         "{e}"
     );
 }
+
+/// A TLS front for the fake downstream: the local CA's server certificate for `localhost`, and a
+/// client certificate signed by the local CA demanded of every caller. What it decrypts goes to
+/// `upstream` as is. Returns its port.
+async fn mutual_tls_front(upstream: std::net::SocketAddr) -> u16 {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+    let mut roots = rustls::RootCertStore::empty();
+    for ca in CertificateDer::pem_file_iter(tls_dir().join("ca.pem")).unwrap() {
+        roots.add(ca.unwrap()).unwrap();
+    }
+    let clients = rustls::server::WebPkiClientVerifier::builder_with_provider(
+        std::sync::Arc::new(roots),
+        provider.clone(),
+    )
+    .build()
+    .unwrap();
+    let chain: Vec<_> = CertificateDer::pem_file_iter(tls_dir().join("server.pem"))
+        .unwrap()
+        .map(Result::unwrap)
+        .collect();
+    let key = PrivateKeyDer::from_pem_file(tls_dir().join("server.key")).unwrap();
+    let config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_client_cert_verifier(clients)
+        .with_single_cert(chain, key)
+        .unwrap();
+    let acceptor = tokio_rustls::TlsAcceptor::from(std::sync::Arc::new(config));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        while let Ok((tcp, _)) = listener.accept().await {
+            let acceptor = acceptor.clone();
+            tokio::spawn(async move {
+                // A caller without the right certificate fails here, before any byte is passed.
+                let Ok(mut tls) = acceptor.accept(tcp).await else {
+                    return;
+                };
+                let Ok(mut plain) = tokio::net::TcpStream::connect(upstream).await else {
+                    return;
+                };
+                let _ = tokio::io::copy_bidirectional(&mut tls, &mut plain).await;
+            });
+        }
+    });
+    port
+}
+
+/// `executor.tls` gives one tool a private CA and a client certificate: it reaches a downstream
+/// that demands both. A tool without it is refused at the handshake (the CA is not public), so
+/// nothing is sent and its action fails `downstream_unreachable`, never `unknown`.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_tool_with_its_own_ca_and_client_certificate_reaches_a_mutual_tls_downstream() {
+    let env = Env::new().await;
+    let upstream: std::net::SocketAddr = env
+        .downstream_url
+        .trim_start_matches("http://")
+        .parse()
+        .unwrap();
+    let port = mutual_tls_front(upstream).await;
+    let tls = tls_dir();
+    let tools = format!(
+        r#"
+[[tools]]
+name = "send_email"
+class = "idempotent"
+key = ["run_id", "tool", "business_id"]
+executor = {{ kind = "http", url = "https://localhost:{port}/v1/send_email", timeout = "2s", tls = {{ ca_file = "{ca}", cert_file = "{cert}", key_file = "{key}" }} }}
+
+[[tools]]
+name = "notify"
+class = "idempotent"
+key = ["run_id", "tool", "business_id"]
+executor = {{ kind = "http", url = "https://localhost:{port}/v1/notify", timeout = "2s" }}
+retry = {{ max_attempts = 2, initial_backoff = "10ms", max_backoff = "20ms" }}
+"#,
+        ca = tls.join("ca.pem").display(),
+        cert = tls.join("client.pem").display(),
+        key = tls.join("client.key").display(),
+    );
+    let outcomes = env.outcomes().await;
+    let relay = env.start(env.config(&tools, "").await).await;
+    let p = env.producer();
+    for (id, tool) in [("mtls-1", "send_email"), ("mtls-2", "notify")] {
+        p.send(&action(
+            id,
+            serde_json::json!({"run_id": "run_mtls", "tool": tool, "business_id": "b1", "args": {}}),
+        ))
+        .await;
+    }
+    let ok = outcomes.answer("mtls-1", "succeeded").await;
+    assert_eq!(ok["data"]["result"]["tool"], "send_email", "{ok}");
+    let refused = outcomes.answer("mtls-2", "failed").await;
+    assert_eq!(
+        refused["data"]["error"]["code"], "downstream_unreachable",
+        "{refused}"
+    );
+    assert_eq!(env.downstream.effects("run_mtls:send_email:b1"), 1);
+    assert_eq!(
+        env.downstream.requests(),
+        1,
+        "nothing of notify went through"
+    );
+    relay.stop().await;
+}
+
+/// A bad `executor.tls` stops the config load, naming the field.
+#[test]
+fn executor_tls_files_are_checked_at_load() {
+    let tls = tls_dir();
+    let config = |inline: &str| {
+        format!(
+            r#"
+[[tools]]
+name = "t"
+class = "idempotent"
+key = ["run_id"]
+executor = {{ kind = "http", url = "https://x/v1", tls = {{ {inline} }} }}
+"#
+        )
+    };
+    let err = |inline: String| {
+        idem::config::Config::from_toml(&config(&inline), |_| None)
+            .unwrap_err()
+            .to_string()
+    };
+    let e = err(format!(
+        "cert_file = \"{}\"",
+        tls.join("client.pem").display()
+    ));
+    assert!(
+        e.contains("tools[0].executor.tls.key_file") || e.contains("executor.tls.key_file"),
+        "{e}"
+    );
+    let e = err("ca_file = \"/nonexistent/ca.pem\"".into());
+    assert!(
+        e.contains("executor.tls.ca_file") && e.contains("cannot read"),
+        "{e}"
+    );
+    let e = err(format!(
+        "ca_file = \"{}\"",
+        tls.join("server.ext").display()
+    ));
+    assert!(e.contains("executor.tls.ca_file"), "{e}");
+    assert!(err(String::new()).contains("executor.tls"));
+    let fine = format!(
+        "ca_file = \"{}\", cert_file = \"{}\", key_file = \"{}\"",
+        tls.join("ca.pem").display(),
+        tls.join("client.pem").display(),
+        tls.join("client.key").display()
+    );
+    let c = idem::config::Config::from_toml(&config(&fine), |_| None).unwrap();
+    assert!(
+        !format!("{c:?}").contains("PRIVATE KEY"),
+        "the key never shows in Debug"
+    );
+}

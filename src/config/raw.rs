@@ -195,11 +195,25 @@ pub(super) struct RawExecutor {
     pub(super) status: Option<RawStatusTable>,
     #[serde(default)]
     pub(super) honors_key: bool,
+    #[serde(default)]
+    pub(super) tls: Option<RawToolTls>,
     // sql
     #[serde(default)]
     pub(super) statement: Option<String>,
     #[serde(default)]
     pub(super) params: Vec<String>,
+}
+
+/// `executor.tls`: a private CA and a client certificate for one tool's downstream.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawToolTls {
+    #[serde(default)]
+    pub(super) ca_file: Option<String>,
+    #[serde(default)]
+    pub(super) cert_file: Option<String>,
+    #[serde(default)]
+    pub(super) key_file: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]

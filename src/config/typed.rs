@@ -257,6 +257,28 @@ pub struct HttpExecutor {
     pub status: StatusTable,
     /// The downstream dedupes on `Idempotency-Key`, so a repeat cannot double the effect.
     pub honors_key: bool,
+    /// A private CA and client certificate for this tool's calls and verifications; `None`:
+    /// the public roots, no client certificate.
+    pub tls: Option<ToolTls>,
+}
+
+/// What `executor.tls` names, read and checked at load, so a bad file stops the start.
+#[derive(Clone)]
+pub struct ToolTls {
+    /// PEM: CAs trusted beside the public roots.
+    pub ca_pem: Option<Vec<u8>>,
+    /// PEM: the client certificate chain followed by its private key.
+    pub identity_pem: Option<Vec<u8>>,
+}
+
+impl std::fmt::Debug for ToolTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The key never shows.
+        f.debug_struct("ToolTls")
+            .field("ca", &self.ca_pem.is_some())
+            .field("client_certificate", &self.identity_pem.is_some())
+            .finish()
+    }
 }
 
 /// What an HTTP status means for the effect.

@@ -537,6 +537,10 @@ fn http_executor(
             }
         }
     }
+    let tls = e
+        .tls
+        .map(|t| tool_tls(&at("executor.tls"), t))
+        .transpose()?;
     Ok(ExecutorKind::Http(HttpExecutor {
         method,
         url,
@@ -544,7 +548,73 @@ fn http_executor(
         headers: e.headers,
         status,
         honors_key: e.honors_key,
+        tls,
     }))
+}
+
+/// `executor.tls`: the files read now and parsed as the http client will, so a wrong path or a
+/// file that is not PEM is a config error naming the field.
+fn tool_tls(field: &str, t: RawToolTls) -> Result<ToolTls, ConfigError> {
+    let read = |name: &str, path: &str| {
+        std::fs::read(path).map_err(|e| {
+            invalid(
+                format!("{field}.{name}"),
+                format!("cannot read {path}: {e}"),
+            )
+        })
+    };
+    let ca_pem = match &t.ca_file {
+        None => None,
+        Some(path) => {
+            let pem = read("ca_file", path)?;
+            let certs = reqwest::Certificate::from_pem_bundle(&pem)
+                .map_err(|e| invalid(format!("{field}.ca_file"), format!("{path}: {e}")))?;
+            if certs.is_empty() {
+                return Err(invalid(
+                    format!("{field}.ca_file"),
+                    format!("{path} holds no PEM certificate"),
+                ));
+            }
+            Some(pem)
+        }
+    };
+    let identity_pem = match (&t.cert_file, &t.key_file) {
+        (None, None) => None,
+        (Some(cert), Some(key)) => {
+            let mut pem = read("cert_file", cert)?;
+            pem.push(b'\n');
+            pem.extend(read("key_file", key)?);
+            reqwest::Identity::from_pem(&pem).map_err(|e| {
+                invalid(
+                    format!("{field}.cert_file"),
+                    format!("{cert} with {key}: {e}"),
+                )
+            })?;
+            Some(pem)
+        }
+        (Some(_), None) => {
+            return Err(invalid(
+                format!("{field}.key_file"),
+                "is required with cert_file",
+            ))
+        }
+        (None, Some(_)) => {
+            return Err(invalid(
+                format!("{field}.cert_file"),
+                "is required with key_file",
+            ))
+        }
+    };
+    if ca_pem.is_none() && identity_pem.is_none() {
+        return Err(invalid(
+            field,
+            "names no ca_file and no cert_file / key_file",
+        ));
+    }
+    Ok(ToolTls {
+        ca_pem,
+        identity_pem,
+    })
 }
 
 /// A tool's `executor` of kind `sql`.

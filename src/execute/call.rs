@@ -118,7 +118,7 @@ impl Executor {
             ));
         };
         crash_point!("before-verify");
-        let (verified, status, took) = http::verify(&self.http, v, url, &c.key).await;
+        let (verified, status, took) = http::verify(self.http.of(tool), v, url, &c.key).await;
         let status = status.map(i32::from);
         let verified = match (verified, run.deadline) {
             (Verified::NotDone, Some(d)) if Instant::now() < d => Verified::Premature(d),
@@ -220,7 +220,7 @@ impl Executor {
         let calls = run.calls;
         run.deadline = Some(Instant::now() + exec.timeout);
         let (attempt, took) = http::call(
-            &self.http,
+            self.http.of(tool),
             exec,
             &run.url,
             &c.key,

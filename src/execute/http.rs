@@ -43,6 +43,58 @@ impl Attempt {
     }
 }
 
+/// The clients calls and verifications go out on.
+pub(crate) struct Clients {
+    /// Tools without `executor.tls`: one pool of connections for all of them.
+    shared: reqwest::Client,
+    /// Tools with their own CA or client certificate.
+    by_tool: std::collections::HashMap<String, reqwest::Client>,
+}
+
+impl Clients {
+    pub(crate) fn new(config: &crate::config::Config) -> Clients {
+        let idle = config.relay.concurrency;
+        let by_tool = config
+            .tools
+            .iter()
+            .filter_map(|t| match &t.executor {
+                ExecutorKind::Http(HttpExecutor { tls: Some(tls), .. }) => {
+                    Some((t.name.clone(), client(Some(tls), idle)))
+                }
+                _ => None,
+            })
+            .collect();
+        Clients {
+            shared: client(None, idle),
+            by_tool,
+        }
+    }
+
+    pub(crate) fn of(&self, tool: &Tool) -> &reqwest::Client {
+        self.by_tool.get(&tool.name).unwrap_or(&self.shared)
+    }
+}
+
+fn client(tls: Option<&crate::config::ToolTls>, idle: usize) -> reqwest::Client {
+    let mut builder = reqwest::Client::builder()
+        .connect_timeout(Duration::from_secs(5))
+        // A 3xx is the downstream's answer, never a re-send of the effect to another host.
+        .redirect(reqwest::redirect::Policy::none())
+        .pool_max_idle_per_host(idle);
+    if let Some(tls) = tls {
+        // Both were parsed when the config was loaded.
+        if let Some(pem) = &tls.ca_pem {
+            for ca in reqwest::Certificate::from_pem_bundle(pem).expect("checked at load") {
+                builder = builder.add_root_certificate(ca);
+            }
+        }
+        if let Some(pem) = &tls.identity_pem {
+            builder = builder.identity(reqwest::Identity::from_pem(pem).expect("checked at load"));
+        }
+    }
+    builder.build().expect("http client builds")
+}
+
 /// Fills `{key}` and `{args.x}` placeholders, URL-encoded.
 pub fn fill_url(template: &str, idem_key: &str, data: &crate::action::ActionData) -> String {
     let mut out = String::with_capacity(template.len() + idem_key.len());

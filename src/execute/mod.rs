@@ -143,8 +143,9 @@ pub(crate) struct Executor {
     queue: Arc<Semaphore>,
     /// Calls done downstream whose outcomes are being recorded.
     recording: Arc<Semaphore>,
-    /// One client for every call and verification, so connections are reused.
-    http: reqwest::Client,
+    /// The http clients: one shared, so connections are reused, and one per tool with its own
+    /// `executor.tls`.
+    http: http::Clients,
     pub(crate) metrics: Arc<Metrics>,
     /// This relay's name as a lease owner (its instance id).
     pub(crate) owner: String,
@@ -179,13 +180,7 @@ impl Executor {
             .iter()
             .map(|t| (t.name.clone(), Arc::new(Semaphore::new(t.concurrency))))
             .collect();
-        let http = reqwest::Client::builder()
-            .connect_timeout(Duration::from_secs(5))
-            // A 3xx is the downstream's answer, never a re-send of the effect to another host.
-            .redirect(reqwest::redirect::Policy::none())
-            .pool_max_idle_per_host(config.relay.concurrency)
-            .build()
-            .expect("http client builds");
+        let http = http::Clients::new(&config);
         let owner = config.relay.instance_id.clone();
         let lease = config.relay.lease.as_secs_f64();
         let channel = crate::publish::outbox::outbox_channel(&config.postgres.schema);
