@@ -28,6 +28,8 @@ pub enum RelayError {
     Kafka(#[from] rdkafka::error::KafkaError),
     #[error("{0}")]
     KafkaConnect(#[from] kafka::ConnectError),
+    #[error("kafka topics: {0}")]
+    Topics(String),
     #[error("admin listener on {addr}: {source}")]
     Listen {
         addr: std::net::SocketAddr,
@@ -143,6 +145,9 @@ async fn connect_kafka(
     if config.kafka.create_topics {
         kafka::ensure_topics(&config.kafka).await?;
     }
+    kafka::check_topics(&config.kafka)
+        .await
+        .map_err(RelayError::Topics)?;
     let up = Arc::new(AtomicBool::new(false));
     let consumer = Arc::new(kafka::consumer(
         &config.kafka,

@@ -989,3 +989,63 @@ async fn topics_get_the_brokers_replication_unless_the_config_names_one() {
         "the error names the replication factor: {e}"
     );
 }
+
+/// At start the relay asks the brokers about its topics: one missing (with `create_topics`
+/// off) or whose `min.insync.replicas` refuses every `acks=all` write stops the start, naming
+/// the topic and the reason; a partition count other than configured is only a warning.
+#[tokio::test]
+async fn topics_the_relay_cannot_work_with_stop_the_start() {
+    use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+    use rdkafka::client::DefaultClientContext;
+    let env = Env::new().await;
+    let text = env
+        .config_text(EMAIL, "")
+        .replace("partitions = 6", "partitions = 6\ncreate_topics = false");
+    let config = idem::config::Config::from_toml(&text, |_| None).unwrap();
+    assert!(!config.kafka.create_topics, "the test's config took");
+    idem::db::migrate(&config.postgres).await.unwrap();
+    let start = |config| async move {
+        idem::relay::start(config, tokio_util::sync::CancellationToken::new())
+            .await
+            .err()
+            .map(|e| e.to_string())
+    };
+    let e = start(config.clone())
+        .await
+        .expect("missing topics stop the start");
+    assert!(
+        e.contains(&env.actions) && e.contains("does not exist"),
+        "{e}"
+    );
+
+    // The topics made by hand: actions with 3 partitions (a warning), outcomes with
+    // min.insync.replicas = 2 on the one local broker (nothing could be acknowledged).
+    let admin: AdminClient<DefaultClientContext> = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", common::brokers())
+        .create()
+        .unwrap();
+    let one = || TopicReplication::Fixed(1);
+    let topics = [
+        NewTopic::new(&env.actions, 3, one()),
+        NewTopic::new(&env.outcomes, 6, one()).set("min.insync.replicas", "2"),
+        NewTopic::new(&env.dlq, 1, one()),
+    ];
+    for r in admin
+        .create_topics(&topics, &AdminOptions::new())
+        .await
+        .unwrap()
+    {
+        r.unwrap();
+    }
+    let e = start(config.clone())
+        .await
+        .expect("min.insync.replicas 2 of 1 stops the start");
+    assert!(
+        e.contains(&env.outcomes) && e.contains("min.insync.replicas is 2 with 1 replica"),
+        "{e}"
+    );
+    assert!(
+        !e.contains(&env.actions),
+        "partitions are only a warning: {e}"
+    );
+}

@@ -5,8 +5,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
-use rdkafka::client::DefaultClientContext;
 use rdkafka::config::{ClientConfig, RDKafkaLogLevel};
 use rdkafka::consumer::{ConsumerContext, Rebalance, StreamConsumer};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
@@ -15,6 +13,10 @@ use rdkafka::{ClientContext, Statistics, TopicPartitionList};
 
 use crate::config::KafkaConfig;
 use crate::metrics::Metrics;
+
+mod topics;
+
+pub use topics::{check_topics, ensure_topics, TopicShape};
 
 /// Sees librdkafka's statistics and rebalances; kept short, it runs on librdkafka's threads.
 pub struct RelayContext {
@@ -241,31 +243,6 @@ impl SharedProducer {
             }
         }
     }
-}
-
-/// Creates the actions, outcomes and dead-letter topics when they are missing.
-pub async fn ensure_topics(cfg: &KafkaConfig) -> Result<(), KafkaError> {
-    let admin: AdminClient<DefaultClientContext> = client_config(cfg).create()?;
-    // -1 asks the broker for its `default.replication.factor` (brokers since Kafka 2.4).
-    let replication = || TopicReplication::Fixed(cfg.replication_factor.unwrap_or(-1));
-    let topics = [
-        NewTopic::new(&cfg.actions_topic, cfg.partitions, replication()),
-        NewTopic::new(&cfg.outcomes_topic, cfg.partitions, replication()),
-        NewTopic::new(&cfg.dlq_topic, 1, replication()),
-    ];
-    let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(30)));
-    for result in admin.create_topics(&topics, &opts).await? {
-        match result {
-            Ok(_) => {}
-            Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
-            Err((topic, code)) => {
-                return Err(KafkaError::AdminOp(code)).inspect_err(|_| {
-                    tracing::error!(topic, ?code, "cannot create topic");
-                })
-            }
-        }
-    }
-    Ok(())
 }
 
 /// Why the brokers could not be reached at start, said with what was tried.
