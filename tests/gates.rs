@@ -643,3 +643,47 @@ async fn the_admin_listener_bounds_its_clients() {
     assert_eq!(metrics.status(), 200);
     relay.stop().await;
 }
+
+/// An approval threshold compares a number: `"NaN"` (which compares smaller than anything and
+/// would slip under it) and `"1e999"` are `schema_invalid`, nothing executed or recorded; an
+/// amount written `50.0` under a key recorded with `50` is the same request (a duplicate, not
+/// a conflict).
+#[tokio::test(flavor = "multi_thread")]
+async fn an_approval_amount_must_be_a_finite_number_and_equal_amounts_are_one() {
+    let env = Env::new().await;
+    let tool = REFUND.replace(
+        "executor =",
+        "approval = { field = \"args.amount\", above = 100 }\nverify = { url = \"{downstream}/v1/effects/{key}\" }\nexecutor =",
+    );
+    let outcomes = env.outcomes().await;
+    let relay = env.start(env.config(&tool, "").await).await;
+    let p = env.producer();
+    let with_amount = |order: &str, amount: serde_json::Value| {
+        json!({"run_id": "run_nan", "tool": "refund", "business_id": "ticket-7",
+               "args": {"order_id": order, "amount": amount}})
+    };
+    p.send(&action("nan-1", with_amount("o-nan", json!("NaN"))))
+        .await;
+    p.send(&action("nan-2", with_amount("o-inf", json!("1e999"))))
+        .await;
+    p.send(&action("nan-3", with_amount("o-ok", json!(50))))
+        .await;
+    for id in ["nan-1", "nan-2"] {
+        let o = outcomes.answer(id, "rejected").await;
+        assert_eq!(o["data"]["error"]["code"], "schema_invalid", "{o}");
+        assert!(
+            o["data"]["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("finite number"),
+            "{o}"
+        );
+    }
+    outcomes.answer("nan-3", "succeeded").await;
+    p.send(&action("nan-4", with_amount("o-ok", json!(50.0))))
+        .await;
+    let again = outcomes.answer("nan-4", "succeeded").await;
+    assert_eq!(again["data"]["duplicate"], true, "{again}");
+    assert_eq!(env.downstream.total_effects(), 1);
+    relay.stop().await;
+}

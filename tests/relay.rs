@@ -1049,3 +1049,31 @@ async fn topics_the_relay_cannot_work_with_stop_the_start() {
         "partitions are only a warning: {e}"
     );
 }
+
+/// A key the producer supplies belongs to its tool: the same key sent to another tool is a
+/// `key_conflict` naming `tool`, never a duplicate answered with the first tool's result.
+#[tokio::test]
+async fn a_producer_key_used_by_another_tool_is_a_conflict() {
+    let tools = format!(
+        "{EMAIL}{}",
+        EMAIL
+            .replace("name = \"send_email\"", "name = \"send_sms\"")
+            .replace("/v1/send_email", "/v1/send_sms")
+    );
+    let env = Env::new().await;
+    let outcomes = env.outcomes().await;
+    let relay = env.start(env.config(&tools, "").await).await;
+    let p = env.producer();
+    let with_key = |tool: &str| {
+        json!({"run_id": "run_k", "tool": tool, "idempotency_key": "orch-42",
+               "args": {"to": "customer-1", "template": "refund_approved"}})
+    };
+    p.send(&action("k-email", with_key("send_email"))).await;
+    outcomes.answer("k-email", "succeeded").await;
+    p.send(&action("k-sms", with_key("send_sms"))).await;
+    let o = outcomes.answer("k-sms", "rejected").await;
+    assert_eq!(o["data"]["error"]["code"], "key_conflict", "{o}");
+    assert_eq!(o["data"]["error"]["fields"], json!(["tool"]), "{o}");
+    assert_eq!(env.downstream.total_effects(), 1);
+    relay.stop().await;
+}

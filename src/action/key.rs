@@ -139,10 +139,36 @@ pub fn material(tool: &Tool, data: &ActionData) -> Map<String, Value> {
         .collect()
 }
 
-/// Hash of canonical JSON (serde_json's map keeps keys sorted, so equal values hash equal).
+/// Hash of canonical JSON: object keys sorted (serde_json's map keeps them so) and numbers
+/// by value (see [`canonical`]), so equal values hash equal.
 pub fn hash_json(v: &Value) -> String {
-    let bytes = serde_json::to_vec(v).expect("json values serialize");
+    let bytes = serde_json::to_vec(&canonical(v)).expect("json values serialize");
     hex::encode(&Sha256::digest(&bytes)[..16])
+}
+
+/// The value with every number written the one way RFC 8785 writes it: a float with no
+/// fraction that an integer holds exactly (`5.0`, `1e2`) becomes that integer, so `5` and
+/// `5.0` are one amount. Integers past 2^53 stay as sent: reading them as doubles, as JSON
+/// canonicalization does, would make two different amounts one.
+pub fn canonical(v: &Value) -> Value {
+    match v {
+        Value::Number(n) => match n.as_f64() {
+            Some(f)
+                if !n.is_i64()
+                    && !n.is_u64()
+                    && f.fract() == 0.0
+                    && f.abs() < 9.007_199_254_740_992e15 =>
+            {
+                Value::from(f as i64)
+            }
+            _ => v.clone(),
+        },
+        Value::Array(items) => Value::Array(items.iter().map(canonical).collect()),
+        Value::Object(m) => {
+            Value::Object(m.iter().map(|(k, x)| (k.clone(), canonical(x))).collect())
+        }
+        other => other.clone(),
+    }
 }
 
 /// Names of the material fields whose values differ.
@@ -153,7 +179,8 @@ pub fn differing_fields(stored: &Value, incoming: &Map<String, Value>) -> Vec<St
         .keys()
         .chain(incoming.keys())
         .filter(|k| {
-            stored.get(*k).unwrap_or(&Value::Null) != incoming.get(*k).unwrap_or(&Value::Null)
+            let value = |m: &Map<String, Value>| m.get(*k).map_or(Value::Null, canonical);
+            value(stored) != value(incoming)
         })
         .cloned()
         .collect();
@@ -213,6 +240,26 @@ executor = { kind = "http", url = "http://127.0.0.1:1/x" }
             hash_json(&Value::Object(a.args.clone())),
             hash_json(&Value::Object(b.args.clone()))
         );
+    }
+
+    #[test]
+    fn numbers_are_compared_by_value() {
+        assert_eq!(hash_json(&json!({"a": 5})), hash_json(&json!({"a": 5.0})));
+        assert_eq!(
+            hash_json(&json!([100])),
+            hash_json(&serde_json::from_str::<Value>("[1e2]").unwrap())
+        );
+        assert_ne!(hash_json(&json!(5)), hash_json(&json!(5.5)));
+        assert_ne!(hash_json(&json!(5)), hash_json(&json!("5")));
+        // Past 2^53 two integers stay two amounts.
+        assert_ne!(
+            hash_json(&json!(9_007_199_254_740_993_u64)),
+            hash_json(&json!(9_007_199_254_740_992_u64))
+        );
+        let stored = json!({"args.amount": 5});
+        let mut incoming = Map::new();
+        incoming.insert("args.amount".into(), json!(5.0));
+        assert!(differing_fields(&stored, &incoming).is_empty());
     }
 
     #[test]

@@ -320,6 +320,14 @@ impl Consume {
                 partial: partial(),
             };
         };
+        if let Err(message) = crate::gates::approval_field_usable(tool, &event.data) {
+            return Incoming::Rejected {
+                pos,
+                reason: action::DeadLetterReason::SchemaInvalid,
+                message,
+                partial: partial(),
+            };
+        }
         if let Err(message) = crate::execute::url_args_usable(tool, &event.data) {
             return Incoming::Rejected {
                 pos,

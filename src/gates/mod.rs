@@ -16,6 +16,35 @@ mod retention;
 pub use approval::{decide, expire_approvals, DecideError, Decision};
 pub use retention::prune;
 
+/// The number an approval threshold is compared with: `None` when the field is absent, else
+/// the value as a finite number (a JSON number, or a string that reads as one) or why not.
+fn compared_number(v: &Value) -> Option<Result<f64, ()>> {
+    let n = match v {
+        Value::Null => return None,
+        Value::Number(n) => n.as_f64(),
+        Value::String(s) => s.trim().parse::<f64>().ok(),
+        _ => None,
+    };
+    Some(n.filter(|n| n.is_finite()).ok_or(()))
+}
+
+/// Refuses an action whose approval field is there but is no finite number: `"NaN"` compares
+/// as smaller than any threshold and would pass the gate, `"1e999"` is no amount anyone meant.
+/// The error names the field, for a `schema_invalid` answer.
+pub fn approval_field_usable(tool: &Tool, data: &crate::action::ActionData) -> Result<(), String> {
+    let crate::config::Approval::Above { field, .. } = &tool.approval else {
+        return Ok(());
+    };
+    let value = key::field(data, field).to_json();
+    match compared_number(&value) {
+        Some(Err(())) => Err(format!(
+            "{} is {value}; tool {} compares it with its approval threshold, so it must be a finite number",
+            field.0, tool.name
+        )),
+        _ => Ok(()),
+    }
+}
+
 /// Per-action gates, decided from the tool's config when the action is decoded.
 #[derive(Debug, Clone, Default)]
 pub struct Gates {
@@ -35,12 +64,11 @@ impl Gates {
             crate::config::Approval::None => false,
             crate::config::Approval::Required => true,
             crate::config::Approval::Above { field, threshold } => {
-                match key::field(data, field).to_json() {
-                    Value::Number(n) => n.as_f64().is_none_or(|v| v > *threshold),
-                    Value::String(s) => s.parse::<f64>().map_or(true, |v| v > *threshold),
-                    // Absent or not a number: nothing shows it is small enough.
-                    _ => true,
-                }
+                // Absent, or not a finite number (refused at decode, see
+                // `approval_field_usable`): nothing shows it is small enough.
+                compared_number(&key::field(data, field).to_json())
+                    .and_then(Result::ok)
+                    .is_none_or(|v| v > *threshold)
             }
         };
         Gates {
@@ -171,6 +199,60 @@ mod tests {
             max_reattempts: Some(max),
             ..Gates::default()
         }
+    }
+
+    #[test]
+    fn an_approval_field_must_be_a_finite_number_and_nan_never_slips_under_the_threshold() {
+        let config = crate::config::Config::from_toml(
+            r#"
+[[tools]]
+name = "refund"
+class = "dangerous"
+key = ["args.order"]
+material = ["args.amount"]
+approval = { field = "args.amount", above = 100 }
+executor = { kind = "http", url = "http://x/v1/refund" }
+verify = { url = "http://x/v1/refund/{key}" }
+"#,
+            |_| None,
+        )
+        .unwrap();
+        let tool = &config.tools[0];
+        let data = |amount: Value| -> crate::action::ActionData {
+            serde_json::from_value(serde_json::json!({
+                "run_id": "r", "tool": "refund", "args": {"order": "o", "amount": amount}
+            }))
+            .unwrap()
+        };
+        for (amount, gated) in [
+            (serde_json::json!(5), false),
+            (serde_json::json!("5.5"), false),
+            (serde_json::json!(500), true),
+            (serde_json::json!(null), true),
+        ] {
+            assert!(
+                approval_field_usable(tool, &data(amount.clone())).is_ok(),
+                "{amount}"
+            );
+            assert_eq!(
+                Gates::of(tool, &data(amount.clone()), None).approval,
+                gated,
+                "{amount}"
+            );
+        }
+        for amount in ["NaN", "1e999", "-inf", "five", ""] {
+            let e = approval_field_usable(tool, &data(serde_json::json!(amount))).unwrap_err();
+            assert!(
+                e.contains("args.amount") && e.contains("finite number"),
+                "{amount}: {e}"
+            );
+            assert!(
+                Gates::of(tool, &data(serde_json::json!(amount)), None).approval,
+                "{amount}"
+            );
+        }
+        let e = approval_field_usable(tool, &data(serde_json::json!({"v": 1}))).unwrap_err();
+        assert!(e.contains("finite number"), "{e}");
     }
 
     #[test]

@@ -173,6 +173,14 @@ pub(crate) fn repeat<'k>(
             None => Repeat::Vanished,
         };
     };
+    // A key is the tool's own: the same key sent to another tool is not a repeat of it (the
+    // answer would be another tool's result).
+    if stored.state.tool != action.tool {
+        return Repeat::Conflict {
+            stored,
+            fields: vec!["tool".into()],
+        };
+    }
     if stored.fingerprint != action.fingerprint {
         let fields = key::differing_fields(&stored.material, &action.material);
         return Repeat::Conflict { stored, fields };
@@ -435,6 +443,15 @@ mod tests {
         let other = action(1, "e2", "k1", "b@x", "hi");
         let v = repeat(Origin::Replay, &other, Some(&stored), None);
         assert_eq!(said(v), r#"conflict with 41 on ["args.to"]"#);
+    }
+
+    #[test]
+    fn the_same_key_under_another_tool_is_a_conflict_naming_the_tool() {
+        let stored = stored_from(&action(0, "e1", "k1", "a@x", "hi"), 41, true);
+        let mut other = action(1, "e2", "k1", "a@x", "hi");
+        other.tool = "refund".into();
+        let v = repeat(Origin::Replay, &other, Some(&stored), None);
+        assert_eq!(said(v), r#"conflict with 41 on ["tool"]"#);
     }
 
     #[test]
