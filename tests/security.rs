@@ -172,7 +172,7 @@ async fn a_broker_certificate_from_another_ca_stops_the_start_with_the_tls_error
 }
 
 #[test]
-fn the_kafka_client_is_built_with_tls_and_every_scram_mechanism() {
+fn the_kafka_client_is_built_with_tls_every_scram_mechanism_and_oidc() {
     // librdkafka refuses values its build cannot honour ("not supported in this build").
     for mechanism in ["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER"] {
         let mut c = rdkafka::ClientConfig::new();
@@ -189,6 +189,21 @@ fn the_kafka_client_is_built_with_tls_and_every_scram_mechanism() {
         let made: Result<rdkafka::producer::BaseProducer, _> = c.create();
         assert!(made.is_ok(), "{mechanism}: {:?}", made.err());
     }
+    // OAUTHBEARER with OIDC client credentials: librdkafka fetches the token itself, which it
+    // can only when built with libcurl.
+    let mut c = rdkafka::ClientConfig::new();
+    c.set("bootstrap.servers", "localhost:1")
+        .set("security.protocol", "SASL_SSL")
+        .set("sasl.mechanism", "OAUTHBEARER")
+        .set("sasl.oauthbearer.method", "oidc")
+        .set("sasl.oauthbearer.client.id", "idem")
+        .set("sasl.oauthbearer.client.secret", "s")
+        .set(
+            "sasl.oauthbearer.token.endpoint.url",
+            "https://127.0.0.1:1/oauth2/token",
+        );
+    let made: Result<rdkafka::producer::BaseProducer, _> = c.create();
+    assert!(made.is_ok(), "OAUTHBEARER oidc: {:?}", made.err());
 }
 
 /// The local server's TLS-only role (`deploy/local/services.sh`: `hostssl` for `idem_tls`,
