@@ -143,7 +143,7 @@ async fn the_relay_refuses_an_unmigrated_schema() {
 fn compose_file_names_files_that_exist() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let text = std::fs::read_to_string(root.join("docker-compose.yml")).unwrap();
-    let doc: serde_yaml::Value = serde_yaml::from_str(&text).unwrap();
+    let doc: serde_norway::Value = serde_norway::from_str(&text).unwrap();
     let services = doc["services"].as_mapping().expect("services");
     for name in ["kafka", "postgres", "relay", "prometheus", "grafana"] {
         assert!(services.contains_key(name), "service {name} missing");

@@ -67,7 +67,7 @@ fn every_metric_the_dashboard_and_rules_query_is_exported() {
             panels += 1;
         }
     }
-    let rules: serde_yaml::Value = serde_yaml::from_str(
+    let rules: serde_norway::Value = serde_norway::from_str(
         &std::fs::read_to_string(root().join("deploy/prometheus/alerts.yml")).unwrap(),
     )
     .unwrap();
