@@ -16,3 +16,8 @@ psql -qAt "$url" -c "select nspname from pg_namespace where nspname ~ '^(t|m|ben
     PGOPTIONS='-c client_min_messages=warning' psql -q "$url" -c "drop schema if exists \"$schema\" cascade"
   done
 cargo test --locked --all-targets --features failpoints "$@"
+# The Python client (clients/python) against the relay binary just built, in a venv of its own.
+py=${IDEM_LOCAL_DIR:-$HOME/.cache/idem-local}/venv-python
+[ -x "$py/bin/python" ] || python3 -m venv "$py"
+"$py/bin/pip" install -q --disable-pip-version-check -e "clients/python[test]"
+IDEM_BIN="$PWD/target/debug/idem" "$py/bin/pytest" -q -p no:cacheprovider clients/python

@@ -320,18 +320,17 @@ impl Consume {
                 partial: partial(),
             };
         };
-        if let Err(message) = crate::gates::approval_field_usable(tool, &event.data) {
+        // Arguments the tool cannot use as they are: nothing is recorded or sent.
+        let unusable = crate::gates::approval_field_usable(tool, &event.data)
+            .map_err(|m| (action::DeadLetterReason::SchemaInvalid, m))
+            .and_then(|()| {
+                crate::execute::url_args_usable(tool, &event.data)
+                    .map_err(|m| (action::DeadLetterReason::InvalidArgs, m))
+            });
+        if let Err((reason, message)) = unusable {
             return Incoming::Rejected {
                 pos,
-                reason: action::DeadLetterReason::SchemaInvalid,
-                message,
-                partial: partial(),
-            };
-        }
-        if let Err(message) = crate::execute::url_args_usable(tool, &event.data) {
-            return Incoming::Rejected {
-                pos,
-                reason: action::DeadLetterReason::InvalidArgs,
+                reason,
                 message,
                 partial: partial(),
             };

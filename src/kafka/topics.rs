@@ -122,16 +122,18 @@ pub fn problems(shape: Option<&TopicShape>, partitions: Option<i32>) -> Vec<Topi
 pub async fn check_topics(cfg: &KafkaConfig) -> Result<(), String> {
     let admin: Arc<AdminClient<DefaultClientContext>> =
         Arc::new(client_config(cfg).create().map_err(|e| e.to_string())?);
+    // The dead-letter topic may be missing: bad input then waits (its batch is read again)
+    // until the topic exists, and everything else flows.
     let names = [
-        (cfg.actions_topic.clone(), Some(cfg.partitions)),
-        (cfg.outcomes_topic.clone(), Some(cfg.partitions)),
-        (cfg.dlq_topic.clone(), None),
+        (cfg.actions_topic.clone(), Some(cfg.partitions), true),
+        (cfg.outcomes_topic.clone(), Some(cfg.partitions), true),
+        (cfg.dlq_topic.clone(), None, false),
     ];
     let mut fatal = Vec::new();
-    for (topic, partitions) in names {
+    for (topic, partitions, required) in names {
         let shape = describe_settled(&admin, &topic).await?;
         for problem in problems(shape.as_ref(), partitions) {
-            if problem.is_fatal() {
+            if problem.is_fatal() && (required || problem != TopicProblem::Missing) {
                 tracing::error!(topic, problem = %problem, "topic unusable");
                 fatal.push(format!("topic {topic} {problem}"));
             } else {
