@@ -21,3 +21,5 @@ py=${IDEM_LOCAL_DIR:-$HOME/.cache/idem-local}/venv-python
 [ -x "$py/bin/python" ] || python3 -m venv "$py"
 "$py/bin/pip" install -q --disable-pip-version-check -e "clients/python[test]"
 IDEM_BIN="$PWD/target/debug/idem" "$py/bin/pytest" -q -p no:cacheprovider clients/python
+# The TypeScript client (clients/typescript), likewise.
+(cd clients/typescript && npm ci --no-audit --no-fund --loglevel=error && IDEM_BIN="$PWD/../../target/debug/idem" npm test --silent)
