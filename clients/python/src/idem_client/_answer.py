@@ -1,0 +1,21 @@
+"""What a framework's tool returns to the model for an outcome: the note, then the result or
+the error. Shared by the adapters, so every framework's model reads the same words."""
+
+from __future__ import annotations
+
+import json
+
+from ._outcome import Outcome
+
+
+def for_model(outcome: Outcome) -> str:
+    """The outcome's note first (it says whether to retry), then what came of it as JSON."""
+    if outcome.status == "succeeded":
+        body = json.dumps(outcome.result, default=str)
+    elif outcome.error is not None:
+        body = json.dumps(
+            {"error": outcome.error.code, "message": outcome.error.message, "fields": outcome.error.fields}
+        )
+    else:
+        body = json.dumps({"status": outcome.status})
+    return f"{outcome.note}\n{body}"
