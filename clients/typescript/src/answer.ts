@@ -11,3 +11,11 @@ export function forModel(outcome: Outcome): string {
         : { status: outcome.status };
   return `${outcome.note}\n${JSON.stringify(body)}`;
 }
+
+/** What the model reads when no outcome came in time: retrying is safe, and how. */
+export function timedOut(tool: string, timeout: number): string {
+  return (
+    `No answer from ${tool} within ${timeout}s; it may still be running. Calling it again ` +
+    "with the same arguments returns its outcome; it is never executed twice."
+  );
+}

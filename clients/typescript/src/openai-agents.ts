@@ -16,8 +16,8 @@
 import { tool, type RunContext } from "@openai/agents";
 import type { z } from "zod";
 
-import { forModel } from "./answer.js";
-import type { Idem } from "./index.js";
+import { forModel, timedOut } from "./answer.js";
+import { CallTimeout, type Idem } from "./index.js";
 
 export interface IdemToolOptions<P extends z.ZodObject<any>> {
   /** The run id of this agent run (what makes a rerun a repeat). */
@@ -42,13 +42,18 @@ export function idemTool<P extends z.ZodObject<any>>(
     async execute(args: unknown, ctx?: RunContext<any>) {
       const businessId =
         typeof options.businessId === "function" ? options.businessId(ctx, args as z.infer<P>) : options.businessId;
-      const outcome = await idem.call(toolName, args as Record<string, unknown>, {
-        runId: options.runId(ctx),
-        businessId,
-        timeout: options.timeout,
-        raiseOnStatus: false,
-      });
-      return forModel(outcome);
+      try {
+        const outcome = await idem.call(toolName, args as Record<string, unknown>, {
+          runId: options.runId(ctx),
+          businessId,
+          timeout: options.timeout,
+          raiseOnStatus: false,
+        });
+        return forModel(outcome);
+      } catch (e) {
+        if (e instanceof CallTimeout) return timedOut(toolName, options.timeout ?? 30);
+        throw e;
+      }
     },
   });
 }

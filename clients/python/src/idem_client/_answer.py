@@ -19,3 +19,11 @@ def for_model(outcome: Outcome) -> str:
     else:
         body = json.dumps({"status": outcome.status})
     return f"{outcome.note}\n{body}"
+
+
+def timed_out(tool: str, timeout: float) -> str:
+    """What the model reads when no outcome came in time: retrying is safe, and how."""
+    return (
+        f"No answer from {tool} within {timeout}s; it may still be running. Calling it again "
+        "with the same arguments returns its outcome; it is never executed twice."
+    )

@@ -19,8 +19,9 @@ from typing import Any, Callable, Type, TypeVar
 from pydantic import BaseModel
 from pydantic_ai import ApprovalRequired, RunContext, Tool
 
-from ._answer import for_model
+from ._answer import for_model, timed_out
 from ._client import Idem
+from ._errors import CallTimeout
 
 P = TypeVar("P", bound=BaseModel)
 
@@ -40,14 +41,17 @@ def idem_tool(
 
     async def call(ctx: RunContext[Any], args: Any) -> str:
         business = business_id(ctx, args) if callable(business_id) else business_id
-        outcome = await idem.acall(
-            tool,
-            args.model_dump(mode="json"),  # type: ignore[attr-defined]
-            run_id=run_id(ctx),
-            business_id=business,
-            timeout=timeout,
-            raise_on_status=False,
-        )
+        try:
+            outcome = await idem.acall(
+                tool,
+                args.model_dump(mode="json"),
+                run_id=run_id(ctx),
+                business_id=business,
+                timeout=timeout,
+                raise_on_status=False,
+            )
+        except CallTimeout:
+            return timed_out(tool, timeout)
         if outcome.status == "pending_approval":
             if not ctx.tool_call_approved:
                 raise ApprovalRequired(metadata={"idempotency_key": outcome.idempotency_key})
