@@ -9,7 +9,27 @@ use prometheus::{
     Registry, TextEncoder,
 };
 
+use crate::action::DeadLetterReason;
 use crate::intent::Origin;
+use crate::outcome::{ErrorCode, OutcomeStatus};
+
+/// Why the executor retries (`idem_retries_total{reason}`): an attempt's own reason, or a
+/// verification that found the effect not done.
+pub const RETRY_REASONS: [&str; 5] = [
+    "throttled",
+    "unavailable",
+    "not_sent",
+    "ambiguous",
+    "verified_not_done",
+];
+/// What a verification found (`idem_verifications_total{result}`).
+pub const VERIFY_RESULTS: [&str; 3] = ["done", "not_done", "inconclusive"];
+/// Where database work waits for Postgres (`idem_postgres_retries_total{stage}`).
+pub const POSTGRES_STAGES: [&str; 5] = ["record", "claim", "fence", "begin attempt", "end attempt"];
+/// The dead-letter reason of a message Postgres refused to store even alone.
+pub const UNRECORDABLE: &str = "unrecordable";
+/// The parked statuses (`idem_keys_parked{status}`).
+pub const PARKED: [&str; 2] = ["unknown", "pending_approval"];
 
 pub struct Metrics {
     registry: Registry,
@@ -148,6 +168,29 @@ impl Metrics {
             .expect("valid metric"),
         );
         postgres_writable.set(1);
+        let build_info = r.add(
+            "idem_build_info",
+            IntGaugeVec::new(
+                Opts::new(
+                    "idem_build_info",
+                    "1, labelled with the relay's version and revision.",
+                ),
+                &["version", "revision"],
+            )
+            .expect("valid metric"),
+        );
+        build_info
+            .with_label_values(&[
+                env!("CARGO_PKG_VERSION"),
+                option_env!("IDEM_GIT_REVISION").unwrap_or("unknown"),
+            ])
+            .set(1);
+        // CPU, memory, open files and start time of this process (`process_*`).
+        r.registry
+            .register(Box::new(
+                prometheus::process_collector::ProcessCollector::for_self(),
+            ))
+            .expect("unique metric");
         let outbox_quarantined = r.int_counter("idem_outbox_quarantined_total", "Outcome events the producer refused for good (too large, invalid), set aside in the outbox.");
         let dead_letters_failed = r.int_counter("idem_dead_letters_failed_total", "Dead letters that could not be written after bounded tries; their batch is read again.");
         let producers_rebuilt = r.int_counter(
@@ -181,6 +224,50 @@ impl Metrics {
             outcomes_published: r.counter("idem_outcomes_published_total", "Outcome events acknowledged by Kafka.", &["topic"]),
             names: r.names,
             registry: r.registry,
+        }
+    }
+
+    /// Creates, at 0, every labelled series these tools and topics can produce, so each exists
+    /// from the start: a `rate()` over a series that appears only at its first increment
+    /// misses that increment, and an `absent()` alert fires on a relay that is merely quiet.
+    pub fn prime(&self, tools: &[&str], topics: &[&str]) {
+        for &tool in tools {
+            for status in OutcomeStatus::ALL {
+                self.actions.with_label_values(&[tool, status.as_str()]);
+            }
+            for origin in Origin::ALL.into_iter().filter(|o| o.is_duplicate()) {
+                self.duplicates.with_label_values(&[tool, origin.as_str()]);
+            }
+            for reason in RETRY_REASONS {
+                self.retries.with_label_values(&[tool, reason]);
+            }
+            for result in VERIFY_RESULTS {
+                self.verifications.with_label_values(&[tool, result]);
+            }
+            for code in ErrorCode::ALL {
+                self.rejections.with_label_values(&[tool, code.as_str()]);
+            }
+            self.side_effects.with_label_values(&[tool]);
+            self.unknown_outcomes.with_label_values(&[tool]);
+            self.conflicts.with_label_values(&[tool]);
+            self.side_effect_duration.with_label_values(&[tool]);
+            self.action_latency.with_label_values(&[tool]);
+        }
+        for reason in DeadLetterReason::ALL.map(DeadLetterReason::as_str) {
+            self.dead_letters.with_label_values(&[reason]);
+        }
+        self.dead_letters.with_label_values(&[UNRECORDABLE]);
+        for origin in Origin::ALL {
+            self.messages_consumed.with_label_values(&[origin.as_str()]);
+        }
+        for &topic in topics {
+            self.outcomes_published.with_label_values(&[topic]);
+        }
+        for stage in POSTGRES_STAGES {
+            self.postgres_retries.with_label_values(&[stage]);
+        }
+        for status in PARKED {
+            self.keys_parked.with_label_values(&[status]);
         }
     }
 
@@ -304,5 +391,49 @@ impl Metrics {
 
     pub fn producer_rebuilt(&self) {
         self.producers_rebuilt.inc();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::execute::http::Attempt;
+
+    #[test]
+    fn every_retry_reason_an_attempt_gives_is_primed() {
+        let attempts = [
+            Attempt::Retry {
+                status: 429,
+                retry_after: None,
+            },
+            Attempt::Retry {
+                status: 503,
+                retry_after: None,
+            },
+            Attempt::NotSent("refused".into()),
+            Attempt::Ambiguous {
+                reason: "timed out".into(),
+                status: None,
+            },
+        ];
+        for a in attempts {
+            assert!(RETRY_REASONS.contains(&a.retry_reason()), "{a:?}");
+        }
+    }
+
+    #[test]
+    fn priming_makes_every_series_at_zero_and_counting_still_counts() {
+        let m = Metrics::new();
+        m.prime(&["t"], &["outcomes"]);
+        let text = m.render();
+        assert!(text.contains("idem_duplicates_total{origin=\"redelivery\",tool=\"t\"} 0"));
+        assert!(
+            !text.contains("origin=\"first\",tool=\"t\""),
+            "first sights are not duplicates"
+        );
+        m.duplicate("t", Origin::Replay);
+        assert!(m
+            .render()
+            .contains("idem_duplicates_total{origin=\"replay\",tool=\"t\"} 1"));
     }
 }

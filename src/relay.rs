@@ -68,6 +68,8 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Rela
 pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Handle, RelayError> {
     let config = Arc::new(config);
     let metrics = Arc::new(Metrics::new());
+    let tools: Vec<&str> = config.tools.iter().map(|t| t.name.as_str()).collect();
+    metrics.prime(&tools, &[&config.kafka.outcomes_topic]);
     let pool = db::data_path_pool(&config.postgres)?;
     // Pruning and the admin API (explain, approvals) plan with the server's own settings.
     let maintenance = db::pool(&config.postgres)?;

@@ -247,3 +247,141 @@ async fn explain_shows_a_timeout_a_verify_and_a_duplicate() {
     .await;
     relay.stop().await;
 }
+
+/// Right after start, before any action: every labelled counter family has a series at 0 for
+/// each configured tool and every known label value, so `rate()` panels and `absent()` alerts
+/// work on a quiet relay; build info and the process collector are there too.
+#[tokio::test]
+async fn every_series_exists_at_zero_right_after_start() {
+    let env = Env::new().await;
+    let tools = format!(
+        "{EMAIL}{}",
+        EMAIL.replace("name = \"send_email\"", "name = \"refund\"")
+    );
+    let relay = env.start(env.config(&tools, "").await).await;
+    let text = common::metrics(relay.admin()).await;
+    for tool in ["send_email", "refund"] {
+        for series in [
+            format!("idem_duplicates_total{{origin=\"model_retry\",tool=\"{tool}\"}} 0"),
+            format!("idem_duplicates_total{{origin=\"replay\",tool=\"{tool}\"}} 0"),
+            format!("idem_unknown_outcomes_total{{tool=\"{tool}\"}} 0"),
+            format!("idem_retries_total{{reason=\"ambiguous\",tool=\"{tool}\"}} 0"),
+            format!("idem_actions_total{{status=\"succeeded\",tool=\"{tool}\"}} 0"),
+            format!("idem_rejections_total{{code=\"key_conflict\",tool=\"{tool}\"}} 0"),
+            format!("idem_verifications_total{{result=\"done\",tool=\"{tool}\"}} 0"),
+            format!("idem_side_effects_total{{tool=\"{tool}\"}} 0"),
+            format!("idem_side_effect_duration_seconds_count{{tool=\"{tool}\"}} 0"),
+        ] {
+            assert!(text.contains(&series), "missing {series}");
+        }
+    }
+    for series in [
+        "idem_dead_letters_total{reason=\"not_json\"} 0",
+        "idem_dead_letters_total{reason=\"unrecordable\"} 0",
+        "idem_messages_consumed_total{origin=\"first\"} 0",
+        "idem_keys_parked{status=\"pending_approval\"} 0",
+        "idem_postgres_retries_total{stage=\"claim\"} 0",
+    ] {
+        assert!(text.contains(series), "missing {series}");
+    }
+    assert!(
+        text.contains(&format!(
+            "idem_outcomes_published_total{{topic=\"{}\"}} 0",
+            env.outcomes
+        )),
+        "missing the outcomes topic's series"
+    );
+    assert!(text.contains("idem_build_info{revision="), "build info");
+    assert!(
+        text.contains("process_resident_memory_bytes"),
+        "process collector"
+    );
+    relay.stop().await;
+}
+
+/// Regression: the action span was entered (not instrumented) across awaits, so under load one
+/// action's log lines carried other actions' spans (`action{key=…0}:action{key=…12}`). With 200
+/// actions in flight at once and JSON logs, every "outcome recorded" line sits in exactly one
+/// action span, its own.
+#[tokio::test(flavor = "multi_thread")]
+async fn every_log_line_in_an_action_span_names_one_key() {
+    let env = Env::new().await;
+    let dir = tempfile::tempdir().unwrap();
+    let slow = EMAIL.replace("/v1/send_email\"", "/v1/send_email?delay_ms=30\"");
+    let config = common::config_file(&env, dir.path(), &slow, "").await;
+    let log_path = dir.path().join("relay.log");
+    let log = std::fs::File::create(&log_path).unwrap();
+    let mut relay = std::process::Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args([
+            "--log-format",
+            "json",
+            "relay",
+            "--config",
+            config.to_str().unwrap(),
+        ])
+        .env("IDEM_LOG", "info")
+        .stdout(log.try_clone().unwrap())
+        .stderr(log)
+        .spawn()
+        .unwrap();
+    let outcomes = env.outcomes().await;
+    let p = env.producer();
+    let ids: Vec<String> = (0..200).map(|i| format!("span-{i}")).collect();
+    // Published again until the relay, still starting, has created the topic and answers.
+    let events: Vec<_> = ids
+        .iter()
+        .enumerate()
+        .map(|(i, id)| {
+            action(
+                id,
+                json!({"run_id": "run_spans", "tool": "send_email", "business_id": format!("order-{i}"),
+                       "args": {"to": "a"}}),
+            )
+        })
+        .collect();
+    common::eventually(
+        "the relay answers",
+        std::time::Duration::from_secs(60),
+        || async {
+            p.send(&events[0]).await;
+            !outcomes.answers(&ids[0]).is_empty()
+        },
+    )
+    .await;
+    futures::future::join_all(events.iter().map(|e| p.send(e))).await;
+    outcomes
+        .answer_all(&ids, std::time::Duration::from_secs(120))
+        .await;
+    let _ = std::process::Command::new("kill")
+        .args(["-TERM", &relay.id().to_string()])
+        .status();
+    relay.wait().unwrap();
+    let mut recorded = BTreeSet::new();
+    for line in std::fs::read_to_string(&log_path).unwrap().lines() {
+        let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
+            continue;
+        };
+        let actions: Vec<&serde_json::Value> = v["spans"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|s| s["name"] == "action")
+            .collect();
+        let shown = &line[..line.len().min(600)];
+        assert!(actions.len() <= 1, "a line in two action spans: {shown}");
+        if v["fields"]["message"] == "outcome recorded" {
+            assert_eq!(
+                actions.len(),
+                1,
+                "an outcome recorded outside its span: {line}"
+            );
+            assert_eq!(v["span"]["key"], actions[0]["key"], "{line}");
+            recorded.insert(actions[0]["key"].as_str().unwrap().to_string());
+        }
+    }
+    assert_eq!(
+        recorded.len(),
+        200,
+        "one outcome line per key, each in its own span"
+    );
+}

@@ -19,6 +19,16 @@ pub enum DeadLetterReason {
 }
 
 impl DeadLetterReason {
+    pub const ALL: [DeadLetterReason; 7] = [
+        DeadLetterReason::NotJson,
+        DeadLetterReason::NotCloudEvent,
+        DeadLetterReason::SchemaInvalid,
+        DeadLetterReason::UnknownTool,
+        DeadLetterReason::Oversize,
+        DeadLetterReason::InvalidKey,
+        DeadLetterReason::InvalidArgs,
+    ];
+
     pub fn as_str(self) -> &'static str {
         match self {
             DeadLetterReason::NotJson => "not_json",

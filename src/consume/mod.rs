@@ -229,7 +229,7 @@ impl Consume {
                     // Only this message's own data may send it to the dead-letter topic.
                     Err(e) if e.refuses_data() => {
                         if self
-                            .dead_letter(m, "unrecordable", &e.to_string(), shutdown)
+                            .dead_letter(m, crate::metrics::UNRECORDABLE, &e.to_string(), shutdown)
                             .await
                             .is_err()
                         {

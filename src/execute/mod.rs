@@ -13,6 +13,7 @@ use std::time::Duration;
 use deadpool_postgres::Pool;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
+use tracing::Instrument;
 
 use crate::action::ActionData;
 use crate::config::{Config, ExecutorKind, Tool};
@@ -369,7 +370,20 @@ impl Executor {
             }
         };
         let span = tracing::info_span!("action", key = %claimed.key, tool = %claimed.tool, run_id = %claimed.run_id);
-        let _enter = span.enter();
+        // Instrumented, not entered: a span entered across an await is left on the thread while
+        // the task sleeps, and other actions' log lines would carry it.
+        self.execute_claimed(claimed, waited, permits)
+            .instrument(span)
+            .await
+    }
+
+    /// Calls and records a claimed intent, inside its action's span.
+    async fn execute_claimed(
+        &self,
+        claimed: Claimed,
+        waited: bool,
+        permits: CallPermits,
+    ) -> Result<(), ExecError> {
         let Some(tool) = self.tools.get(&claimed.tool).cloned() else {
             let settled = Settled {
                 status: OutcomeStatus::Rejected,

@@ -36,6 +36,24 @@ pub enum Origin {
 }
 
 impl Origin {
+    pub const ALL: [Origin; 7] = [
+        Origin::First,
+        Origin::Redelivery,
+        Origin::ProducerRetry,
+        Origin::Replay,
+        Origin::ModelRetry,
+        Origin::Conflict,
+        Origin::DeadLetter,
+    ];
+
+    /// The origins that are repeats suppressed (`idem_duplicates_total`).
+    pub fn is_duplicate(self) -> bool {
+        matches!(
+            self,
+            Origin::Redelivery | Origin::ProducerRetry | Origin::Replay | Origin::ModelRetry
+        )
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             Origin::First => "first",

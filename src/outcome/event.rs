@@ -49,6 +49,14 @@ pub enum OutcomeStatus {
 }
 
 impl OutcomeStatus {
+    pub const ALL: [OutcomeStatus; 5] = [
+        OutcomeStatus::Succeeded,
+        OutcomeStatus::Failed,
+        OutcomeStatus::Unknown,
+        OutcomeStatus::PendingApproval,
+        OutcomeStatus::Rejected,
+    ];
+
     pub fn as_str(self) -> &'static str {
         match self {
             OutcomeStatus::Succeeded => "succeeded",
