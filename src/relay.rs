@@ -98,6 +98,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Handle
             loopback: admin_addr.ip().is_loopback(),
         }),
         schema: config.postgres.schema.clone(),
+        catalogue: Arc::new(crate::ops::catalogue(&config)),
     });
     let control = db::control_pool(&config.postgres)?;
     let executor = Executor::new(config.clone(), pool.clone(), control, metrics.clone());
@@ -324,6 +325,19 @@ impl Tasks {
 /// Start-up warnings for configs that leave a dangerous effect unprotected.
 fn warn_about_gates(config: &Config) {
     for tool in &config.tools {
+        // A key or material field the schema lets go missing: such actions share a key part
+        // of null, and a change of that field goes unseen.
+        if let Some(schema) = &tool.input_schema {
+            for field in tool.key.iter().chain(&tool.material) {
+                if schema.makes_optional(&field.0) {
+                    tracing::warn!(
+                        tool = %tool.name,
+                        field = %field.0,
+                        "input_schema makes a key or material field optional: mark it required"
+                    );
+                }
+            }
+        }
         if tool.class != ToolClass::Dangerous {
             continue;
         }

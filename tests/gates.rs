@@ -447,6 +447,11 @@ async fn every_v1_route_answers_by_its_token() {
     // changes nothing.
     let routes = [
         ("GET", format!("{base}/{key}"), [401, 401, 200, 200]),
+        (
+            "GET",
+            format!("http://{}/v1/tools", relay.admin()),
+            [401, 401, 200, 200],
+        ),
         ("POST", format!("{base}/nope/approve"), [401, 401, 403, 404]),
         ("POST", format!("{base}/nope/deny"), [401, 401, 403, 404]),
         ("POST", format!("{base}/nope/resolve"), [401, 401, 403, 404]),

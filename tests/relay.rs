@@ -1077,3 +1077,85 @@ async fn a_producer_key_used_by_another_tool_is_a_conflict() {
     assert_eq!(env.downstream.total_effects(), 1);
     relay.stop().await;
 }
+
+/// A tool with an `input_schema`: arguments outside it are rejected `schema_invalid` before
+/// anything is recorded or sent, the answer naming the values at fault (JSON pointers); the
+/// next valid call executes. `GET /v1/tools` shows the tool with its schema and MCP hints.
+#[tokio::test]
+async fn arguments_outside_the_tools_schema_are_rejected_before_anything_runs() {
+    let tool = EMAIL.replace(
+        "approval = \"none\"",
+        r#"approval = "none"
+description = "Send one email to a customer."
+input_schema = { type = "object", required = ["to", "template"], additionalProperties = false, properties = { to = { type = "string" }, template = { type = "string" }, subject = { type = "string" } } }"#,
+    );
+    let env = Env::new().await;
+    let outcomes = env.outcomes().await;
+    let relay = env.start(env.config(&tool, "").await).await;
+    let p = env.producer();
+    let send = |id: &str, business: &str, args: serde_json::Value| {
+        action(
+            id,
+            json!({"run_id": "run_schema", "tool": "send_email", "business_id": business, "args": args}),
+        )
+    };
+    let cases = [
+        ("missing", json!({"to": "a"}), "/"),
+        ("wrong-type", json!({"to": 5, "template": "t"}), "/to"),
+        ("extra", json!({"to": "a", "template": "t", "cc": "b"}), "/"),
+    ];
+    for (id, args, _) in &cases {
+        p.send(&send(id, id, args.clone())).await;
+    }
+    for (id, _, path) in &cases {
+        let o = outcomes.answer(id, "rejected").await;
+        assert_eq!(o["data"]["error"]["code"], "schema_invalid", "{o}");
+        let fields = o["data"]["error"]["fields"].as_array().unwrap();
+        let want = if *path == "/" { "" } else { path };
+        assert!(fields.iter().any(|f| f == want), "{id}: {o}");
+    }
+    p.send(&send("valid", "ok", json!({"to": "a", "template": "t"})))
+        .await;
+    outcomes.answer("valid", "succeeded").await;
+    assert_eq!(env.downstream.total_effects(), 1, "only the valid call ran");
+    let pg = env.pg().await;
+    let intents: i64 = pg
+        .query_one("select count(*) from intents", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(intents, 1, "nothing recorded for the invalid calls");
+
+    let tools: serde_json::Value = reqwest::get(format!("http://{}/v1/tools", relay.admin()))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(tools[0]["name"], "send_email");
+    assert_eq!(tools[0]["description"], "Send one email to a customer.");
+    assert_eq!(
+        tools[0]["input_schema"]["required"],
+        json!(["to", "template"])
+    );
+    assert_eq!(tools[0]["annotations"]["destructiveHint"], true);
+    relay.stop().await;
+}
+
+/// A schema that is not a JSON Schema stops the config load, naming the tool's field.
+#[test]
+fn an_invalid_input_schema_is_a_config_error() {
+    let text = EMAIL
+        .replace(
+            "approval = \"none\"",
+            "approval = \"none\"\ninput_schema = { type = \"no-such-type\" }",
+        )
+        .replace("{downstream}", "http://127.0.0.1:1");
+    let e = idem::config::Config::from_toml(&text, |_| None)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("tools[0].input_schema") && e.contains("not a valid JSON Schema"),
+        "{e}"
+    );
+}

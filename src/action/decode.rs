@@ -69,6 +69,8 @@ pub struct PartialAction {
     pub key: String,
     pub tool: Option<String>,
     pub step: Option<i64>,
+    /// The values at fault (JSON pointers into `args`), for the answer's `error.fields`.
+    pub fields: Vec<String>,
 }
 
 impl BadAction {
@@ -314,6 +316,7 @@ fn partial_from(event_id: &str, data: &Value, kafka_key: Option<&[u8]>) -> Optio
         return None;
     }
     Some(PartialAction {
+        fields: Vec::new(),
         event_id: event_id.to_string(),
         run_id,
         key,

@@ -78,6 +78,14 @@ pub enum Command {
         #[arg(long)]
         reason: String,
     },
+    /// Each configured tool: class, key template, material fields, gate and argument schema.
+    Tools {
+        #[arg(long)]
+        config: PathBuf,
+        /// Print JSON (what `GET /v1/tools` answers) instead of text.
+        #[arg(long)]
+        json: bool,
+    },
     /// Delete finished keys past their retention now (the relay also does it periodically).
     Prune {
         #[arg(long)]
@@ -186,6 +194,14 @@ pub async fn run(command: Command) -> anyhow::Result<()> {
             let d = idem::gates::Decision::Deny;
             decide(&config, &key, d, &by, &reason, None).await?;
             println!("{key}: denied by {by}");
+        }
+        Command::Tools { config, json } => {
+            let catalogue = idem::ops::catalogue(&load(&config)?);
+            if json {
+                println!("{}", serde_json::to_string_pretty(&catalogue)?);
+            } else {
+                print!("{}", idem::ops::render_catalogue(&catalogue));
+            }
         }
         Command::Prune { config } => {
             let config = load(&config)?;

@@ -62,6 +62,34 @@ executor = { kind = "http", url = "http://127.0.0.1:8787/v1/send_email" }
     }
 
     #[test]
+    fn an_input_schema_says_which_fields_it_leaves_optional_and_what_violates_it() {
+        let text = format!(
+            "{MINIMAL_TOOL}input_schema = {{ type = \"object\", required = [\"to\", \"order\"], \
+             properties = {{ order = {{ type = \"object\", required = [\"id\"] }} }} }}\n"
+        );
+        let c = Config::from_toml(&text, no_env).unwrap();
+        let schema = c.tools[0].input_schema.as_ref().unwrap();
+        assert!(!schema.makes_optional("args.to"));
+        assert!(!schema.makes_optional("args.order.id"));
+        assert!(schema.makes_optional("args.order.note"));
+        assert!(schema.makes_optional("args.subject"));
+        assert!(!schema.makes_optional("run_id"), "not an args field");
+        let (message, fields) = schema
+            .violations(&serde_json::json!({"to": "a", "order": {}}))
+            .unwrap();
+        assert_eq!(fields, vec!["/order".to_string()]);
+        assert!(
+            message.contains("args/order") && message.contains("\"id\""),
+            "{message}"
+        );
+        assert!(schema
+            .violations(&serde_json::json!({"to": "a", "order": {"id": 1}}))
+            .is_none());
+        let both = format!("{text}input_schema_file = \"/x.json\"\n");
+        assert!(err(&both).contains("not both"));
+    }
+
+    #[test]
     fn defaults_fill_an_empty_file() {
         let c = Config::from_toml("", no_env).unwrap();
         assert_eq!(c.kafka.actions_topic, "idem.actions");

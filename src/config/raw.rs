@@ -155,6 +155,14 @@ pub(super) struct RawTool {
     pub(super) max_reattempts: Option<u32>,
     #[serde(default)]
     pub(super) retention: Option<String>,
+    #[serde(default)]
+    pub(super) description: Option<String>,
+    /// JSON Schema 2020-12 of `args`, inline.
+    #[serde(default)]
+    pub(super) input_schema: Option<toml::Value>,
+    /// The same, from a JSON file.
+    #[serde(default)]
+    pub(super) input_schema_file: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -205,6 +205,73 @@ pub struct Tool {
     pub max_reattempts: Option<u32>,
     /// How long a finished key is kept (while its run is not waiting on anything).
     pub retention: Duration,
+    /// What the tool does, for models and people.
+    pub description: Option<String>,
+    /// What `args` must look like, checked before anything is recorded.
+    pub input_schema: Option<InputSchema>,
+}
+
+/// A tool's JSON Schema (2020-12) of `args`, compiled once when the config is loaded.
+#[derive(Clone)]
+pub struct InputSchema {
+    /// As written, for `idem tools`, `GET /v1/tools` and MCP's `inputSchema`.
+    pub schema: serde_json::Value,
+    validator: std::sync::Arc<jsonschema::Validator>,
+}
+
+impl InputSchema {
+    pub fn compile(schema: serde_json::Value) -> Result<Self, String> {
+        let validator = jsonschema::draft202012::new(&schema).map_err(|e| e.to_string())?;
+        Ok(InputSchema {
+            schema,
+            validator: std::sync::Arc::new(validator),
+        })
+    }
+
+    /// Why `args` does not fit: one message per violation, and the JSON pointers (`/to`)
+    /// of the values at fault.
+    pub fn violations(&self, args: &serde_json::Value) -> Option<(String, Vec<String>)> {
+        let mut messages = Vec::new();
+        let mut paths = Vec::new();
+        for e in self.validator.iter_errors(args) {
+            let path = e.instance_path().to_string();
+            let at = if path.is_empty() {
+                "args".to_string()
+            } else {
+                format!("args{path}")
+            };
+            messages.push(format!("{at}: {e}"));
+            if !paths.contains(&path) {
+                paths.push(path);
+            }
+        }
+        (!messages.is_empty()).then(|| (messages.join("; "), paths))
+    }
+
+    /// Whether the schema lets `args` go without this field (`args.x.y` → `/x/y`): neither
+    /// required at each level nor the schema silent on it.
+    pub fn makes_optional(&self, field: &str) -> bool {
+        let Some(path) = field.strip_prefix("args.") else {
+            return false;
+        };
+        let mut node = &self.schema;
+        for part in path.split('.') {
+            let required = node["required"]
+                .as_array()
+                .is_some_and(|r| r.iter().any(|v| v == part));
+            if !required {
+                return true;
+            }
+            node = &node["properties"][part];
+        }
+        false
+    }
+}
+
+impl std::fmt::Debug for InputSchema {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("InputSchema").field(&self.schema).finish()
+    }
 }
 
 impl Tool {

@@ -452,7 +452,39 @@ fn validate_tool(i: usize, t: RawTool, relay_concurrency: usize) -> Result<Tool,
     if t.max_reattempts == Some(0) {
         return Err(invalid(at("max_reattempts"), "must be at least 1"));
     }
+    let input_schema = match (t.input_schema, t.input_schema_file) {
+        (None, None) => None,
+        (Some(_), Some(_)) => {
+            return Err(invalid(
+                at("input_schema"),
+                "give input_schema or input_schema_file, not both",
+            ))
+        }
+        (Some(inline), None) => {
+            let schema = serde_json::to_value(inline)
+                .map_err(|e| invalid(at("input_schema"), e.to_string()))?;
+            Some(InputSchema::compile(schema).map_err(|e| {
+                invalid(at("input_schema"), format!("not a valid JSON Schema: {e}"))
+            })?)
+        }
+        (None, Some(path)) => {
+            let text = std::fs::read_to_string(&path).map_err(|e| {
+                invalid(at("input_schema_file"), format!("cannot read {path}: {e}"))
+            })?;
+            let schema: serde_json::Value = serde_json::from_str(&text).map_err(|e| {
+                invalid(at("input_schema_file"), format!("{path} is not JSON: {e}"))
+            })?;
+            Some(InputSchema::compile(schema).map_err(|e| {
+                invalid(
+                    at("input_schema_file"),
+                    format!("{path} is not a valid JSON Schema: {e}"),
+                )
+            })?)
+        }
+    };
     Ok(Tool {
+        description: t.description,
+        input_schema,
         name: t.name,
         class,
         key,

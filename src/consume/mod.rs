@@ -296,6 +296,7 @@ impl Consume {
         };
         let partial = || {
             Some(action::PartialAction {
+                fields: Vec::new(),
                 event_id: event.id.clone(),
                 run_id: event.data.run_id.clone(),
                 key: event
@@ -320,6 +321,24 @@ impl Consume {
                 partial: partial(),
             };
         };
+        // Arguments outside the tool's schema: nothing is recorded or sent, and the answer
+        // names the values at fault.
+        if let Some((message, fields)) = tool
+            .input_schema
+            .as_ref()
+            .and_then(|s| s.violations(&serde_json::Value::Object(event.data.args.clone())))
+        {
+            let mut partial = partial();
+            if let Some(p) = partial.as_mut() {
+                p.fields = fields;
+            }
+            return Incoming::Rejected {
+                pos,
+                reason: action::DeadLetterReason::SchemaInvalid,
+                message,
+                partial,
+            };
+        }
         // Arguments the tool cannot use as they are: nothing is recorded or sent.
         let unusable = crate::gates::approval_field_usable(tool, &event.data)
             .map_err(|m| (action::DeadLetterReason::SchemaInvalid, m))

@@ -282,6 +282,7 @@ mod tests {
         Incoming::Rejected {
             pos: pos(offset),
             partial: event.map(|e| PartialAction {
+                fields: Vec::new(),
                 event_id: e.into(),
                 run_id: "r1".into(),
                 key: "k-bad".into(),

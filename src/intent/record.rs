@@ -274,11 +274,7 @@ impl Recording {
                         .push(None, key, event_id, pos, Origin::DeadLetter, true);
                     if let (Some(p), Arrival::DeadLetter { answer: true }) = (partial, arrival) {
                         self.outbox.push(answer::rejected_input(
-                            &p.key,
-                            &p.run_id,
-                            p.tool.clone(),
-                            p.step,
-                            &p.event_id,
+                            p,
                             reason.error_code(),
                             message,
                             None,

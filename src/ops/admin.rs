@@ -26,6 +26,8 @@ pub struct AdminState {
     /// Who may read and who may change state.
     pub tokens: Arc<Tokens>,
     pub schema: String,
+    /// The configured tools, as `GET /v1/tools` shows them.
+    pub catalogue: Arc<serde_json::Value>,
 }
 
 /// The bearer tokens of the `/v1/` endpoints.
@@ -154,6 +156,7 @@ pub fn router(state: AdminState) -> Router {
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
         .route("/v1/actions/{key}", get(explain))
+        .route("/v1/tools", get(tools))
         // `approve` or `deny`; `resolve` (below) is matched first, being a fixed segment.
         .route("/v1/actions/{key}/{decision}", post(approve_or_deny))
         .route("/v1/actions/{key}/resolve", post(resolve))
@@ -188,6 +191,13 @@ async fn explain(
             .into_response(),
         Err(e) => unavailable(e).into_response(),
     }
+}
+
+async fn tools(State(s): State<AdminState>, headers: HeaderMap) -> Response {
+    if let Err(refused) = s.tokens.may_read(&headers) {
+        return refused.into_response();
+    }
+    Json(s.catalogue.as_ref().clone()).into_response()
 }
 
 async fn readyz(State(s): State<AdminState>) -> (StatusCode, String) {

@@ -8,10 +8,12 @@ pub mod admin;
 mod explain;
 mod resolve;
 mod serve;
+mod tools;
 
 pub use explain::{explain, render};
 pub use resolve::{resolve, Resolution};
 pub use serve::{serve, Limits};
+pub use tools::{catalogue, render as render_catalogue};
 
 #[derive(Debug, thiserror::Error)]
 pub enum InspectError {

@@ -188,26 +188,24 @@ pub fn rejected_gate(state: &KeyState, traceparent: Option<String>) -> Outcome {
 }
 
 /// Bad input whose run id and key could still be read.
-#[allow(clippy::too_many_arguments)]
 pub fn rejected_input(
-    key: &str,
-    run_id: &str,
-    tool: Option<String>,
-    step: Option<i64>,
-    action_event_id: &str,
+    p: &crate::action::PartialAction,
     code: ErrorCode,
     message: &str,
     traceparent: Option<String>,
 ) -> Outcome {
     let d = OutcomeData {
-        idempotency_key: key.to_string(),
-        run_id: Some(run_id.to_string()),
-        step,
-        tool,
-        action_event_id: action_event_id.to_string(),
+        idempotency_key: p.key.clone(),
+        run_id: Some(p.run_id.clone()),
+        step: p.step,
+        tool: p.tool.clone(),
+        action_event_id: p.event_id.clone(),
         status: OutcomeStatus::Rejected,
         result: None,
-        error: Some(code.error(message)),
+        error: Some(OutcomeError {
+            fields: (!p.fields.is_empty()).then(|| p.fields.clone()),
+            ..code.error(message)
+        }),
         duplicate: false,
         attempts: 0,
         note: format!(
@@ -215,7 +213,7 @@ pub fn rejected_input(
         ),
     };
     Outcome::new(
-        outcome_id(key, &format!("answer:{action_event_id}")),
+        outcome_id(&p.key, &format!("answer:{}", p.event_id)),
         d,
         Utc::now(),
         traceparent,
