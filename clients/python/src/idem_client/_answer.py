@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import json
 
+from typing import Any, Mapping
+
+from ._client import Idem
+from ._errors import CallTimeout
 from ._outcome import Outcome
 
 
@@ -27,3 +31,21 @@ def timed_out(tool: str, timeout: float) -> str:
         f"No answer from {tool} within {timeout}s; it may still be running. Calling it again "
         "with the same arguments returns its outcome; it is never executed twice."
     )
+
+
+async def call(
+    idem: Idem,
+    tool: str,
+    args: Mapping[str, Any],
+    *,
+    run_id: str,
+    business_id: str | None,
+    timeout: float,
+) -> "Outcome | str":
+    """One call for an adapter: every status returned, a timeout said in words for the model."""
+    try:
+        return await idem.acall(
+            tool, args, run_id=run_id, business_id=business_id, timeout=timeout, raise_on_status=False
+        )
+    except CallTimeout:
+        return timed_out(tool, timeout)

@@ -19,9 +19,8 @@ from langchain_core.runnables import RunnableConfig
 from langchain_core.tools import StructuredTool
 from pydantic import BaseModel
 
-from ._answer import for_model, timed_out
+from ._answer import call, for_model
 from ._client import Idem
-from ._errors import CallTimeout
 
 
 def idem_tool(
@@ -41,13 +40,8 @@ def idem_tool(
         if not thread:
             raise ValueError("idem tools need a thread_id in the graph's config (configurable.thread_id)")
         business = business_id(args) if callable(business_id) else business_id
-        try:
-            outcome = await idem.acall(
-                tool, args, run_id=str(thread), business_id=business, timeout=timeout, raise_on_status=False
-            )
-        except CallTimeout:
-            return timed_out(tool, timeout)
-        return for_model(outcome)
+        outcome = await call(idem, tool, args, run_id=str(thread), business_id=business, timeout=timeout)
+        return outcome if isinstance(outcome, str) else for_model(outcome)
 
     def run_sync(config: RunnableConfig, **args: Any) -> str:
         import asyncio

@@ -20,9 +20,8 @@ from typing import Any, Callable, Type, TypeVar
 from agents import FunctionTool, RunContextWrapper
 from pydantic import BaseModel
 
-from ._answer import for_model, timed_out
+from ._answer import call, for_model
 from ._client import Idem
-from ._errors import CallTimeout
 
 P = TypeVar("P", bound=BaseModel)
 
@@ -44,18 +43,10 @@ def idem_tool(
     async def invoke(ctx: RunContextWrapper[Any], input_json: str) -> str:
         args = params_model.model_validate_json(input_json or "{}")
         business = business_id(ctx, args) if callable(business_id) else business_id
-        try:
-            outcome = await idem.acall(
-                tool,
-                args.model_dump(mode="json"),
-                run_id=run_id(ctx),
-                business_id=business,
-                timeout=timeout,
-                raise_on_status=False,
-            )
-        except CallTimeout:
-            return timed_out(tool, timeout)
-        return for_model(outcome)
+        outcome = await call(
+            idem, tool, args.model_dump(mode="json"), run_id=run_id(ctx), business_id=business, timeout=timeout
+        )
+        return outcome if isinstance(outcome, str) else for_model(outcome)
 
     return FunctionTool(
         name=name or tool,

@@ -19,9 +19,8 @@ from typing import Any, Callable, Type, TypeVar
 from pydantic import BaseModel
 from pydantic_ai import ApprovalRequired, RunContext, Tool
 
-from ._answer import for_model, timed_out
+from ._answer import call, for_model
 from ._client import Idem
-from ._errors import CallTimeout
 
 P = TypeVar("P", bound=BaseModel)
 
@@ -39,19 +38,13 @@ def idem_tool(
 ) -> Tool[Any]:
     """A Pydantic AI ``Tool`` taking one argument, ``args`` (``params_model``)."""
 
-    async def call(ctx: RunContext[Any], args: Any) -> str:
+    async def run(ctx: RunContext[Any], args: Any) -> str:
         business = business_id(ctx, args) if callable(business_id) else business_id
-        try:
-            outcome = await idem.acall(
-                tool,
-                args.model_dump(mode="json"),
-                run_id=run_id(ctx),
-                business_id=business,
-                timeout=timeout,
-                raise_on_status=False,
-            )
-        except CallTimeout:
-            return timed_out(tool, timeout)
+        outcome = await call(
+            idem, tool, args.model_dump(mode="json"), run_id=run_id(ctx), business_id=business, timeout=timeout
+        )
+        if isinstance(outcome, str):
+            return outcome
         if outcome.status == "pending_approval":
             if not ctx.tool_call_approved:
                 raise ApprovalRequired(metadata={"idempotency_key": outcome.idempotency_key})
@@ -60,9 +53,9 @@ def idem_tool(
         return for_model(outcome)
 
     # The schema the model sees is the params model's (annotations here are strings until read).
-    call.__annotations__ = {"ctx": RunContext[Any], "args": params_model, "return": str}
+    run.__annotations__ = {"ctx": RunContext[Any], "args": params_model, "return": str}
     return Tool(
-        call,
+        run,
         takes_ctx=True,
         name=name or tool,
         description=description or params_model.__doc__ or f"Runs {tool} once, through idem.",
