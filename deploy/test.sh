@@ -22,4 +22,6 @@ py=${IDEM_LOCAL_DIR:-$HOME/.cache/idem-local}/venv-python
 "$py/bin/pip" install -q --disable-pip-version-check -e "clients/python[test]"
 IDEM_BIN="$PWD/target/debug/idem" "$py/bin/pytest" -q -p no:cacheprovider clients/python
 # The TypeScript client (clients/typescript), likewise.
-(cd clients/typescript && npm ci --no-audit --no-fund --loglevel=error && IDEM_BIN="$PWD/../../target/debug/idem" npm test --silent)
+(cd clients/typescript && npm ci --no-audit --no-fund --loglevel=error)
+(cd examples/typescript && npm ci --no-audit --no-fund --loglevel=error)
+(cd clients/typescript && IDEM_BIN="$PWD/../../target/debug/idem" npm test --silent)

@@ -51,6 +51,8 @@ pub struct Metrics {
     outbox_oldest_age: prometheus::Gauge,
     consumer_lag: IntGaugeVec,
     pub inflight: IntGauge,
+    /// Intents recorded and not yet settled, as the last recovery sweep counted them.
+    pub intents_pending: IntGauge,
     messages_consumed: IntCounterVec,
     outcomes_published: IntCounterVec,
     postgres_retries: IntCounterVec,
@@ -154,6 +156,14 @@ impl Metrics {
             )
             .expect("valid metric"),
         );
+        let intents_pending = r.add(
+            "idem_intents_pending",
+            IntGauge::new(
+                "idem_intents_pending",
+                "Intents recorded and not yet settled (pending or running), counted every recovery interval: the backlog an autoscaler should follow.",
+            )
+            .expect("valid metric"),
+        );
         let inflight = r.add(
             "idem_inflight",
             IntGauge::new("idem_inflight", "Downstream calls in flight now.")
@@ -218,8 +228,9 @@ impl Metrics {
             action_latency: r.histogram("idem_action_latency_seconds", "From the action event's time (or its receipt) to its outcome recorded.", &["tool"], &SECONDS_BUCKETS),
             outbox_pending,
             outbox_oldest_age,
-            consumer_lag: r.gauge_vec("idem_consumer_lag", "Messages of the actions topic not yet consumed, per partition (librdkafka statistics).", &["partition"]),
+            consumer_lag: r.gauge_vec("idem_consumer_lag", "Messages of the actions topic not yet consumed, per partition (librdkafka statistics).", &["topic", "group", "partition"]),
             inflight,
+            intents_pending,
             messages_consumed: r.counter("idem_messages_consumed_total", "Action messages read from Kafka, by origin.", &["origin"]),
             outcomes_published: r.counter("idem_outcomes_published_total", "Outcome events acknowledged by Kafka.", &["topic"]),
             names: r.names,
@@ -354,9 +365,9 @@ impl Metrics {
         self.outbox_oldest_age.set(oldest_age_seconds);
     }
 
-    pub fn consumer_lag(&self, partition: i32, lag: i64) {
+    pub fn consumer_lag(&self, topic: &str, group: &str, partition: i32, lag: i64) {
         self.consumer_lag
-            .with_label_values(&[&partition.to_string()])
+            .with_label_values(&[topic, group, &partition.to_string()])
             .set(lag);
     }
 

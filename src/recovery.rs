@@ -141,7 +141,8 @@ pub async fn take_over(
         .get(0))
 }
 
-const PARKED: &str = "select status, count(*) from intents where status in ('unknown', 'pending_approval') group by status";
+/// Keys by status: parked (waiting for a person) and open (recorded, not yet settled).
+const PARKED: &str = "select status, count(*) from intents where status in ('unknown', 'pending_approval', 'pending', 'running') group by status";
 
 pub async fn parked_counts(client: &impl GenericClient) -> Result<Vec<(String, i64)>, DbError> {
     Ok(client
@@ -184,6 +185,12 @@ pub async fn sweep(executor: &Arc<Executor>) -> Result<usize, DbError> {
                 .map_or(0, |(_, n)| *n);
             x.metrics.parked(status.as_str(), n);
         }
+        let open: i64 = counts
+            .iter()
+            .filter(|(s, _)| s == "pending" || s == "running")
+            .map(|(_, n)| n)
+            .sum();
+        x.metrics.intents_pending.set(open);
     }
     let tx = client.transaction().await?;
     // This relay's own queue is skipped in SQL, so a long local backlog cannot hide a

@@ -157,6 +157,7 @@ async fn connect_kafka(
         RelayContext {
             metrics: metrics.clone(),
             actions_topic: config.kafka.actions_topic.clone(),
+            group: config.kafka.group_id.clone(),
             brokers_up: up.clone(),
         },
     )?);

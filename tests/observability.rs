@@ -60,10 +60,21 @@ fn every_metric_the_dashboard_and_rules_query_is_exported() {
         &std::fs::read_to_string(root().join("deploy/grafana/dashboards/idem.json")).unwrap(),
     )
     .unwrap();
+    let variables: Vec<&str> = dashboard["templating"]["list"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(variables, ["datasource", "instance", "tool"]);
     let mut panels = 0;
     for panel in dashboard["panels"].as_array().unwrap() {
         for target in panel["targets"].as_array().into_iter().flatten() {
-            metric_names(target["expr"].as_str().unwrap(), &mut queried);
+            let expr = target["expr"].as_str().unwrap();
+            metric_names(expr, &mut queried);
+            // Every panel follows the chosen data source and relays.
+            assert_eq!(target["datasource"]["uid"], "${datasource}", "{expr}");
+            assert!(expr.contains("instance=~\"$instance\""), "{expr}");
             panels += 1;
         }
     }
@@ -127,6 +138,9 @@ async fn explain_shows_a_timeout_a_verify_and_a_duplicate() {
         })
         .collect();
     assert_eq!(deliveries, [("e1", "first"), ("e2", "model_retry")]);
+    // What was asked, as the first delivery asked it: every argument, and the material ones.
+    assert_eq!(e["args"], json!({"to": "c"}), "{e:#}");
+    assert_eq!(e["material"], json!({"args.to": "c"}), "{e:#}");
     let calls: Vec<(&str, &str, &str)> = e["calls"]
         .as_array()
         .unwrap()
@@ -167,7 +181,10 @@ async fn explain_shows_a_timeout_a_verify_and_a_duplicate() {
     assert_eq!(statuses, [("succeeded", false), ("succeeded", true)]);
     let text = idem::ops::render(&e);
     assert!(
-        text.contains("model_retry") && text.contains("verify") && text.contains("(duplicate)"),
+        text.contains("model_retry")
+            && text.contains("verify")
+            && text.contains("(duplicate)")
+            && text.contains(r#"material {"args.to":"c"}"#),
         "{text}"
     );
 
@@ -241,7 +258,12 @@ async fn explain_shows_a_timeout_a_verify_and_a_duplicate() {
         std::time::Duration::from_secs(30),
         || async {
             let m = common::metrics(relay.admin()).await;
-            (0..6).all(|p| m.contains(&format!("idem_consumer_lag{{partition=\"{p}\"}} 0")))
+            (0..6).all(|p| {
+                m.contains(&format!(
+                    "idem_consumer_lag{{group=\"{}\",partition=\"{p}\",topic=\"{}\"}} 0",
+                    env.group, env.actions
+                ))
+            })
         },
     )
     .await;
@@ -281,6 +303,7 @@ async fn every_series_exists_at_zero_right_after_start() {
         "idem_messages_consumed_total{origin=\"first\"} 0",
         "idem_keys_parked{status=\"pending_approval\"} 0",
         "idem_postgres_retries_total{stage=\"claim\"} 0",
+        "idem_intents_pending 0",
     ] {
         assert!(text.contains(series), "missing {series}");
     }

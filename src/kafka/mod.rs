@@ -22,6 +22,8 @@ pub use topics::{check_topics, ensure_topics, TopicShape};
 pub struct RelayContext {
     pub metrics: Arc<Metrics>,
     pub actions_topic: String,
+    /// The consumer group, a label of the lag it reports.
+    pub group: String,
     /// Cleared when librdkafka reports every broker down; `/readyz` reads it.
     pub brokers_up: Arc<AtomicBool>,
 }
@@ -58,7 +60,8 @@ impl ClientContext for RelayContext {
             }
             if let Some(lag) = partition_lag(p.consumer_lag, p.hi_offset, p.lo_offset, p.app_offset)
             {
-                self.metrics.consumer_lag(*id, lag);
+                self.metrics
+                    .consumer_lag(&self.actions_topic, &self.group, *id, lag);
             }
         }
     }

@@ -28,6 +28,8 @@ const EXPLAIN: &str = "
         'lease_epoch', i.lease_epoch,
         'needs_verify', i.needs_verify,
         'fingerprint', i.fingerprint,
+        'args', i.args,
+        'material', i.material,
         'approvals', coalesce((
             select json_agg(json_build_object(
                        'decision', decision, 'by', decided_by, 'reason', reason,
@@ -91,6 +93,12 @@ pub fn render(e: &Value) -> String {
         s(&e["attempts"]),
         s(&e["fingerprint"])
     );
+    // What was asked: the material fields (what an approver decides on) and every argument.
+    out.push_str(&format!(
+        "\nrequest: material {}  args {}\n",
+        s(&e["material"]),
+        s(&e["args"])
+    ));
     let deliveries = e["deliveries"].as_array().map_or(0, Vec::len);
     out.push_str(&format!(
         "\ndeliveries ({deliveries}): how many times it was asked, and why\n"
