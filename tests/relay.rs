@@ -1159,3 +1159,70 @@ fn an_invalid_input_schema_is_a_config_error() {
         "{e}"
     );
 }
+
+/// The Kafka side of the contract as the ecosystem writes it: an action framed by Confluent's
+/// JSON Schema serializer (zero byte, schema id) is executed like a plain one and its schema id
+/// kept with the delivery; a structured event that also carries `ce_*` headers is read from its
+/// body; outcome events carry `ce_id`, `ce_type`, `ce_source` and `ce_subject` headers.
+#[tokio::test]
+async fn framed_and_header_carrying_actions_are_read_and_outcomes_carry_ce_headers() {
+    use rdkafka::message::{Header, OwnedHeaders};
+    let env = Env::new().await;
+    let outcomes = env.outcomes().await;
+    let relay = env.start(env.config(EMAIL, "").await).await;
+    let p = env.producer();
+    let framed_event = action("evt-framed", email("run_sr", "order_sr", "hi"));
+    let mut framed = vec![0u8, 0, 0, 0, 7];
+    framed.extend_from_slice(&serde_json::to_vec(&framed_event).unwrap());
+    p.send_raw(Some("run_sr"), &framed, OwnedHeaders::new())
+        .await;
+    let structured = action("evt-structured", email("run_sr", "order_st", "hi"));
+    let headers = OwnedHeaders::new()
+        .insert(Header {
+            key: "content-type",
+            value: Some("application/cloudevents+json"),
+        })
+        .insert(Header {
+            key: "ce_specversion",
+            value: Some("1.0"),
+        })
+        .insert(Header {
+            key: "ce_id",
+            value: Some("not-the-id"),
+        });
+    p.send_raw(
+        Some("run_sr"),
+        &serde_json::to_vec(&structured).unwrap(),
+        headers,
+    )
+    .await;
+    outcomes.answer("evt-framed", "succeeded").await;
+    outcomes.answer("evt-structured", "succeeded").await;
+    assert_eq!(env.downstream.total_effects(), 2);
+
+    let e = common::explain(&env, "run_sr:send_email:order_sr").await;
+    assert_eq!(e["deliveries"][0]["schema_id"], 7, "{e:#}");
+    let answer = outcomes
+        .all()
+        .into_iter()
+        .find(|c| c.json()["data"]["action_event_id"] == "evt-framed")
+        .unwrap();
+    let body = answer.json();
+    for (header, attribute) in [
+        ("ce_id", "id"),
+        ("ce_type", "type"),
+        ("ce_source", "source"),
+        ("ce_subject", "subject"),
+    ] {
+        assert_eq!(
+            answer.headers.get(header).map(String::as_str),
+            body[attribute].as_str(),
+            "{header}"
+        );
+    }
+    assert_eq!(
+        answer.headers.get("content-type").map(String::as_str),
+        Some("application/cloudevents+json")
+    );
+    relay.stop().await;
+}

@@ -106,6 +106,15 @@ fn header_str(headers: &Headers<'_>, name: &str) -> Result<Option<String>, BadAc
 
 /// Decodes one Kafka message. Binary mode when a `ce_specversion` header is present,
 /// structured mode otherwise.
+/// A Confluent Schema Registry frame: a zero byte, the schema id (4 bytes, big-endian), then
+/// the JSON. JSON itself never starts with a zero byte, so the frame cannot be mistaken.
+pub fn schema_registry_frame(payload: &[u8]) -> Option<(u32, &[u8])> {
+    match payload {
+        [0, a, b, c, d, rest @ ..] => Some((u32::from_be_bytes([*a, *b, *c, *d]), rest)),
+        _ => None,
+    }
+}
+
 pub fn decode_action(
     payload: Option<&[u8]>,
     kafka_key: Option<&[u8]>,
@@ -113,6 +122,7 @@ pub fn decode_action(
     max_bytes: usize,
 ) -> Result<ActionEvent, BadAction> {
     let payload = payload.unwrap_or_default();
+    let payload = schema_registry_frame(payload).map_or(payload, |(_, json)| json);
     if payload.len() > max_bytes {
         return Err(BadAction::new(
             DeadLetterReason::Oversize,
@@ -212,7 +222,11 @@ struct Envelope {
 /// Reads the attributes from `ce_*` headers (binary mode) or from the JSON object itself
 /// (structured mode).
 fn envelope(body: Value, headers: &Headers<'_>) -> Result<Envelope, BadAction> {
-    if header(headers, "ce_specversion").is_some() {
+    // The Kafka protocol binding: a content-type of application/cloudevents… is structured
+    // mode, whatever ce_* headers ride along; otherwise ce_* headers make it binary mode.
+    let structured =
+        header(headers, "content-type").is_some_and(|v| v.starts_with(b"application/cloudevents"));
+    if !structured && header(headers, "ce_specversion").is_some() {
         Ok(Envelope {
             id: header_str(headers, "ce_id")?,
             source: header_str(headers, "ce_source")?,
@@ -395,6 +409,44 @@ mod tests {
         let e = decode_action(Some(&body), None, &headers, MAX).unwrap();
         assert_eq!(e.id, "evt-9");
         assert_eq!(e.data.tool, "t");
+    }
+
+    /// The Kafka protocol binding decides the mode by content-type: a structured event that
+    /// also carries ce_* headers (some producers copy them) is read from its body.
+    #[test]
+    fn a_structured_content_type_wins_over_ce_headers() {
+        let body = structured(json!({"run_id": "r1", "tool": "t", "args": {}}));
+        let headers: Vec<(&str, &[u8])> = vec![
+            (
+                "content-type",
+                b"application/cloudevents+json; charset=utf-8",
+            ),
+            ("ce_specversion", b"1.0"),
+            ("ce_id", b"header-id"),
+        ];
+        let e = decode_action(Some(&body), None, &headers, MAX).unwrap();
+        assert_eq!(e.id, "evt-1", "the body's id, not the header's");
+        assert_eq!(e.data.run_id, "r1");
+    }
+
+    #[test]
+    fn a_schema_registry_frame_is_stripped_and_its_id_read() {
+        let json = structured(json!({"run_id": "r1", "tool": "t", "args": {}}));
+        let mut framed = vec![0, 0, 0, 1, 44];
+        framed.extend_from_slice(&json);
+        assert_eq!(schema_registry_frame(&framed).map(|(id, _)| id), Some(300));
+        assert_eq!(
+            schema_registry_frame(&json),
+            None,
+            "plain JSON has no frame"
+        );
+        assert_eq!(
+            schema_registry_frame(&[0, 1, 2]),
+            None,
+            "too short to be a frame"
+        );
+        let e = decode_action(Some(&framed), None, &[], MAX).unwrap();
+        assert_eq!(e.id, "evt-1");
     }
 
     #[test]

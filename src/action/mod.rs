@@ -7,7 +7,9 @@ use serde_json::{Map, Value};
 pub mod decode;
 pub mod key;
 
-pub use decode::{decode_action, BadAction, DeadLetterReason, PartialAction};
+pub use decode::{
+    decode_action, schema_registry_frame, BadAction, DeadLetterReason, PartialAction,
+};
 
 pub const ACTION_TYPE: &str = "dev.idem.action.v1";
 pub const STRUCTURED_CONTENT_TYPE: &str = "application/cloudevents+json";

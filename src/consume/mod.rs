@@ -277,6 +277,10 @@ impl Consume {
             topic: m.topic().to_string(),
             partition: m.partition(),
             offset: m.offset(),
+            schema_id: m
+                .payload()
+                .and_then(action::schema_registry_frame)
+                .map(|(id, _)| id as i32),
         };
         let headers = headers_of(m);
         let rejected = |bad: BadAction| Incoming::Rejected {

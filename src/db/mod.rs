@@ -39,6 +39,11 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "0005_outbox_quarantine",
         include_str!("../../schemas/postgres/0005_outbox_quarantine.sql"),
     ),
+    (
+        6,
+        "0006_delivery_schema_id",
+        include_str!("../../schemas/postgres/0006_delivery_schema_id.sql"),
+    ),
 ];
 
 /// Lets `?` turn a driver error into a stage's error whose `Db` variant wraps [`DbError`]: the

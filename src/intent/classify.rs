@@ -228,6 +228,7 @@ mod tests {
 
     fn pos(offset: i64) -> Position {
         Position {
+            schema_id: None,
             topic: "actions".into(),
             partition: 0,
             offset,

@@ -28,9 +28,13 @@ pub struct Position {
     pub topic: String,
     pub partition: i32,
     pub offset: i64,
+    /// The Schema Registry id of a framed payload (Confluent's JSON Schema serializer).
+    pub schema_id: Option<i32>,
 }
 
 /// One consumed message, decoded as far as it could be.
+// The common variant is boxed already; a rejection is rare and lives one batch.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug)]
 pub enum Incoming {
     Action(Box<KeyedAction>),

@@ -30,6 +30,7 @@ struct DeliveryRows {
     offset: Vec<i64>,
     origin: Vec<&'static str>,
     answered: Vec<bool>,
+    schema_id: Vec<Option<i32>>,
 }
 
 impl DeliveryRows {
@@ -51,6 +52,7 @@ impl DeliveryRows {
         self.offset.push(pos.offset);
         self.origin.push(origin.as_str());
         self.answered.push(answered);
+        self.schema_id.push(pos.schema_id);
     }
 }
 
@@ -312,6 +314,7 @@ impl Recording {
                     &d.offset,
                     &d.origin,
                     &d.answered,
+                    &d.schema_id,
                 ],
             )
             .await

@@ -57,9 +57,9 @@ pub(crate) const SELECT_KEYS_FOR_SHARE: &str = "
 
 pub(crate) const INSERT_DELIVERIES: &str = "
     insert into deliveries (intent_id, idempotency_key, action_event_id, source_topic,
-                            source_partition, source_offset, origin, answered)
+                            source_partition, source_offset, origin, answered, schema_id)
     select * from unnest($1::int8[], $2::text[], $3::text[], $4::text[], $5::int4[], $6::int8[],
-                         $7::text[], $8::bool[])";
+                         $7::text[], $8::bool[], $9::int4[])";
 
 // The publisher is woken (NOTIFY, delivered at commit) only when a row was new.
 pub(crate) const INSERT_OUTBOX: &str = "

@@ -39,6 +39,7 @@ const EXPLAIN: &str = "
             select json_agg(json_build_object(
                        'action_event_id', action_event_id, 'partition', source_partition,
                        'offset', source_offset, 'origin', origin, 'answered', answered,
+                       'schema_id', schema_id,
                        'received_at', received_at::text) order by id)
               from deliveries where idempotency_key = i.idempotency_key), '[]'),
         'calls', coalesce((

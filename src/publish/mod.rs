@@ -123,6 +123,22 @@ impl Publisher {
                     value: Some(t.as_str()),
                 });
             }
+            // The event stays structured (content-type says so); its attributes ride along as
+            // headers too, so a router can filter on them without parsing the body.
+            for (key, attribute) in [
+                ("ce_id", "id"),
+                ("ce_type", "type"),
+                ("ce_source", "source"),
+                ("ce_subject", "subject"),
+                ("ce_specversion", "specversion"),
+            ] {
+                if let Some(value) = row.payload[attribute].as_str() {
+                    headers = headers.insert(Header {
+                        key,
+                        value: Some(value),
+                    });
+                }
+            }
             let record = FutureRecord::to(topic)
                 .key(&row.key)
                 .payload(&payload)
