@@ -36,6 +36,8 @@ fn invalid(field: impl Into<String>, reason: impl Into<String>) -> ConfigError {
 /// Environment variables that override the file.
 pub const ENV_KAFKA_BROKERS: &str = "IDEM_KAFKA_BROKERS";
 pub const ENV_POSTGRES_URL: &str = "IDEM_POSTGRES_URL";
+/// A file holding the Postgres URL (a mounted Secret); `IDEM_POSTGRES_URL` wins.
+pub const ENV_POSTGRES_URL_FILE: &str = "IDEM_POSTGRES_URL_FILE";
 
 #[cfg(test)]
 mod tests {
@@ -108,6 +110,28 @@ executor = { kind = "http", url = "http://127.0.0.1:8787/v1/send_email" }
         .unwrap();
         assert_eq!(c.kafka.brokers, "broker:1234");
         assert_eq!(c.postgres.url, "postgres://u:p@db:5433/x");
+    }
+
+    #[test]
+    fn the_postgres_url_can_come_from_a_mounted_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("url");
+        std::fs::write(&file, "postgres://u:p@db:5433/from_file\n").unwrap();
+        let path = file.to_str().unwrap().to_string();
+        let c = Config::from_toml(MINIMAL_TOOL, |k| {
+            (k == ENV_POSTGRES_URL_FILE).then(|| path.clone())
+        })
+        .unwrap();
+        assert_eq!(c.postgres.url, "postgres://u:p@db:5433/from_file");
+        let e = Config::from_toml(MINIMAL_TOOL, |k| {
+            (k == ENV_POSTGRES_URL_FILE).then(|| "/nonexistent/url".to_string())
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("IDEM_POSTGRES_URL_FILE") && e.contains("/nonexistent/url"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -134,7 +134,18 @@ impl Config {
         let (client, client_secrets) = secret::kafka_client(k.client, &env)?;
 
         let p = raw.postgres;
-        let url = env(ENV_POSTGRES_URL).unwrap_or(p.url);
+        let url = match (env(ENV_POSTGRES_URL), env(ENV_POSTGRES_URL_FILE)) {
+            (Some(url), _) => url,
+            (None, Some(path)) => std::fs::read_to_string(&path)
+                .map(|text| text.trim().to_string())
+                .map_err(|e| {
+                    invalid(
+                        "postgres.url",
+                        format!("{ENV_POSTGRES_URL_FILE} names {path}, which cannot be read: {e}"),
+                    )
+                })?,
+            (None, None) => p.url,
+        };
         let (driver_url, _) =
             crate::db::TlsParams::split(&url).map_err(|e| invalid("postgres.url", e))?;
         driver_url
