@@ -22,7 +22,8 @@ use crate::publish::{self, Publisher};
 
 #[derive(Debug, thiserror::Error)]
 pub enum RelayError {
-    #[error("postgres: {0}")]
+    /// Its message names Postgres already.
+    #[error("{0}")]
     Db(#[from] db::DbError),
     #[error("kafka: {0}")]
     Kafka(#[from] rdkafka::error::KafkaError),
