@@ -15,10 +15,11 @@ psql -qAt "$url" -c "select nspname from pg_namespace where nspname ~ '^(t|m|ben
   while read -r schema; do
     PGOPTIONS='-c client_min_messages=warning' psql -q "$url" -c "drop schema if exists \"$schema\" cascade"
   done
-# The Python venv: the client's tests, and kubernetes-validate for the Helm chart's test.
+# The Python venv: the client's tests, the MCP SDK for the MCP server's tests, and
+# kubernetes-validate for the Helm chart's test.
 py=${IDEM_LOCAL_DIR:-$HOME/.cache/idem-local}/venv-python
 [ -x "$py/bin/python" ] || python3 -m venv "$py"
-"$py/bin/pip" install -q --disable-pip-version-check -e "clients/python[test]" kubernetes-validate==1.37.0
+"$py/bin/pip" install -q --disable-pip-version-check -e "clients/python[test]" mcp==2.3.0 kubernetes-validate==1.37.0
 # Helm, for tests/chart.rs (a Go module; built once into GOPATH/bin).
 helm_bin=$(go env GOPATH)/bin/helm
 [ -x "$helm_bin" ] || go install helm.sh/helm/v4/cmd/helm@v4.3.2
@@ -26,6 +27,8 @@ export IDEM_HELM=$helm_bin IDEM_KUBERNETES_VALIDATE=$py/bin/kubernetes-validate
 cargo test --locked --all-targets --features failpoints "$@"
 # The Python client (clients/python) against the relay binary just built.
 IDEM_BIN="$PWD/target/debug/idem" "$py/bin/pytest" -q -p no:cacheprovider clients/python
+# The MCP server (`idem mcp` on stdio, `/mcp` over HTTP) with the official Python MCP SDK.
+IDEM_BIN="$PWD/target/debug/idem" "$py/bin/pytest" -q -p no:cacheprovider tests/mcp
 # The TypeScript client (clients/typescript), likewise.
 (cd clients/typescript && npm ci --no-audit --no-fund --loglevel=error)
 (cd examples/typescript && npm ci --no-audit --no-fund --loglevel=error)

@@ -60,6 +60,7 @@ pub mod gates;
 pub(crate) mod group_commit;
 pub(crate) mod intent;
 pub mod kafka;
+pub mod mcp;
 pub mod metrics;
 pub mod ops;
 pub mod outcome;

@@ -40,6 +40,8 @@ pub enum RelayError {
         "the database schema is at version {found}, this relay needs {needed}: run `idem migrate`"
     )]
     Schema { found: i32, needed: i32 },
+    #[error("mcp: {0}")]
+    Mcp(String),
 }
 
 /// Outbox publishing rounds in flight at once.
@@ -100,6 +102,10 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Handle
         }),
         schema: config.postgres.schema.clone(),
         catalogue: Arc::new(crate::ops::catalogue(&config)),
+        mcp: Arc::new(
+            crate::mcp::Shared::new(&config, crate::mcp::HTTP_WAIT)
+                .map_err(|e| RelayError::Mcp(format!("{e:#}")))?,
+        ),
     });
     let control = db::control_pool(&config.postgres)?;
     let executor = Executor::new(config.clone(), pool.clone(), control, metrics.clone());

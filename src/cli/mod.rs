@@ -86,6 +86,19 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// An MCP server on stdin/stdout: the configured tools, each call published as an action
+    /// and answered with its outcome (logs go to stderr).
+    Mcp {
+        #[arg(long)]
+        config: PathBuf,
+        /// The run every call belongs to; otherwise the call's `_meta["dev.idem/run_id"]`, or
+        /// this MCP session (one per process).
+        #[arg(long)]
+        run_id: Option<String>,
+        /// How long a call waits for its outcome before it returns "not answered yet".
+        #[arg(long, default_value = "120s", value_parser = humantime_secs)]
+        wait: std::time::Duration,
+    },
     /// Delete finished keys past their retention now (the relay also does it periodically).
     Prune {
         #[arg(long)]
@@ -99,6 +112,12 @@ pub enum Command {
         #[arg(long)]
         honor_key: bool,
     },
+}
+
+/// A duration such as `120s`, `2m` or `500ms`, as the config file writes them.
+fn humantime_secs(s: &str) -> Result<std::time::Duration, String> {
+    idem::config::parse_duration(s)
+        .ok_or_else(|| format!("{s:?} is not a duration such as 500ms, 30s, 2m"))
 }
 
 fn load(path: &std::path::Path) -> anyhow::Result<Config> {
@@ -202,6 +221,19 @@ pub async fn run(command: Command) -> anyhow::Result<()> {
             } else {
                 print!("{}", idem::ops::render_catalogue(&catalogue));
             }
+        }
+        Command::Mcp {
+            config,
+            run_id,
+            wait,
+        } => {
+            let config = load(&config)?;
+            let shared = std::sync::Arc::new(idem::mcp::Shared::new(&config, wait)?);
+            let server = idem::mcp::IdemMcp::stdio(shared, run_id);
+            let running = rmcp::ServiceExt::serve(server, rmcp::transport::stdio())
+                .await
+                .context("the MCP handshake on stdio failed")?;
+            running.waiting().await?;
         }
         Command::Prune { config } => {
             let config = load(&config)?;

@@ -14,6 +14,9 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use deadpool_postgres::Pool;
 
+use rmcp::transport::streamable_http_server::session::local::LocalSessionManager;
+use rmcp::transport::streamable_http_server::{StreamableHttpServerConfig, StreamableHttpService};
+
 use crate::config::Secret;
 use crate::metrics::Metrics;
 
@@ -28,6 +31,8 @@ pub struct AdminState {
     pub schema: String,
     /// The configured tools, as `GET /v1/tools` shows them.
     pub catalogue: Arc<serde_json::Value>,
+    /// The MCP server of `/mcp`: the tools, and its Kafka clients once first called.
+    pub mcp: Arc<crate::mcp::Shared>,
 }
 
 /// The bearer tokens of the `/v1/` endpoints.
@@ -151,6 +156,23 @@ fn unavailable(e: impl std::fmt::Display) -> AdminError {
 const MAX_BODY_BYTES: usize = 16 * 1024;
 
 pub fn router(state: AdminState) -> Router {
+    let shared = state.mcp.clone();
+    let mcp = StreamableHttpService::new(
+        move || Ok(crate::mcp::IdemMcp::http(shared.clone())),
+        Arc::new(LocalSessionManager::default()),
+        // Every request needs an admin token (below), so the Host check that guards an
+        // unauthenticated local server from DNS rebinding is not needed, and would refuse the
+        // names a cluster reaches the relay by.
+        StreamableHttpServerConfig::default()
+            .disable_allowed_hosts()
+            .with_max_request_body_bytes(MAX_MCP_BODY_BYTES),
+    );
+    let mcp = Router::new()
+        .route_service("/mcp", mcp)
+        .layer(axum::middleware::from_fn_with_state(
+            state.tokens.clone(),
+            mcp_guard,
+        ));
     Router::new()
         .route("/metrics", get(metrics))
         .route("/healthz", get(|| async { "ok\n" }))
@@ -162,6 +184,22 @@ pub fn router(state: AdminState) -> Router {
         .route("/v1/actions/{key}/resolve", post(resolve))
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(state)
+        .merge(mcp)
+}
+
+/// A `tools/call` is the largest MCP request: its arguments.
+const MAX_MCP_BODY_BYTES: usize = 1024 * 1024;
+
+/// `/mcp`: calling a tool changes state, so an admin token (shared or named) is required.
+async fn mcp_guard(
+    State(tokens): State<Arc<Tokens>>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    match tokens.may_change(request.headers()) {
+        Ok(_) => next.run(request).await,
+        Err(refused) => refused.into_response(),
+    }
 }
 
 async fn metrics(State(s): State<AdminState>) -> impl IntoResponse {

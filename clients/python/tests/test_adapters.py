@@ -13,7 +13,7 @@ from langchain_core.runnables import RunnableConfig
 from langgraph.graph import MessagesState
 from pydantic import BaseModel
 
-from conftest import Stack
+from stack import Stack
 from idem_client import Idem
 
 os.environ.setdefault("OPENAI_AGENTS_DISABLE_TRACING", "1")

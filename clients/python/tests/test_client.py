@@ -8,7 +8,7 @@ import concurrent.futures
 
 import pytest
 
-from conftest import Stack, eventually
+from stack import Stack, eventually
 from idem_client import (
     CallTimeout,
     Idem,

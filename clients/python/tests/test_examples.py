@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import BROKERS, REPO, Stack
+from stack import BROKERS, REPO, Stack
 
 EXAMPLES = REPO / "examples" / "python"
 
