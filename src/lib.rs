@@ -22,6 +22,7 @@
 //! | `publish` | outbox rows, LISTEN/NOTIFY wake-ups, the idempotent publisher |
 //! | `recovery` | the sweep: lapsed claims and stale intents handed on as the attempt log decides |
 //! | [`ops`] | what people do: `explain`, `resolve`, the admin API (CLI and HTTP call the same functions) |
+//! | [`mcp`] | idem as an MCP server: the catalogue as `tools/list`, a `tools/call` published as an action and answered with its outcome |
 //! | [`config`] | raw TOML shape, typed shape, validation naming the field at fault |
 //! | [`relay`] | wiring, background loops and the shutdown order |
 //!
