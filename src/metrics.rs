@@ -365,6 +365,18 @@ impl Metrics {
         self.outbox_oldest_age.set(oldest_age_seconds);
     }
 
+    /// Messages of the actions topic not yet consumed, over every partition this relay reads.
+    pub fn consumer_lag_total(&self) -> i64 {
+        use prometheus::core::Collector;
+        self.consumer_lag
+            .collect()
+            .iter()
+            .flat_map(|family| family.get_metric())
+            .map(|m| m.get_gauge().get_value() as i64)
+            .filter(|lag| *lag > 0)
+            .sum()
+    }
+
     pub fn consumer_lag(&self, topic: &str, group: &str, partition: i32, lag: i64) {
         self.consumer_lag
             .with_label_values(&[topic, group, &partition.to_string()])

@@ -102,6 +102,14 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Handle
         }),
         schema: config.postgres.schema.clone(),
         catalogue: Arc::new(crate::ops::catalogue(&config)),
+        approval_timeouts: Arc::new(
+            config
+                .tools
+                .iter()
+                .filter(|t| t.approval != crate::config::Approval::None)
+                .map(|t| (t.name.clone(), t.approval_timeout))
+                .collect(),
+        ),
         mcp: Arc::new(
             crate::mcp::Shared::new(&config, crate::mcp::HTTP_WAIT)
                 .map_err(|e| RelayError::Mcp(format!("{e:#}")))?,

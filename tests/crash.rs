@@ -697,6 +697,7 @@ async fn a_key_resolved_as_retry_is_called_again_once() {
         idem::ops::Resolution::Retry,
         "ops@oncall",
         "the provider's log has no such email",
+        None,
     )
     .await
     .unwrap();

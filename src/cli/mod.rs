@@ -54,6 +54,9 @@ pub enum Command {
         /// Why (recorded).
         #[arg(long)]
         reason: String,
+        /// Only if the key still stands for this request (the fingerprint `explain` shows).
+        #[arg(long)]
+        fingerprint: Option<String>,
     },
     /// Approve a key waiting for approval: it executes once, with the request recorded.
     Approve {
@@ -182,6 +185,7 @@ pub async fn run(command: Command) -> anyhow::Result<()> {
             resolution,
             by,
             reason,
+            fingerprint,
         } => {
             let config = load(&config)?;
             let pool = idem::db::pool(&config.postgres)?;
@@ -190,7 +194,16 @@ pub async fn run(command: Command) -> anyhow::Result<()> {
                 ResolveAs::Failed => idem::ops::Resolution::Failed,
                 ResolveAs::Retry => idem::ops::Resolution::Retry,
             };
-            idem::ops::resolve(&pool, &config.postgres.schema, &key, how, &by, &reason).await?;
+            idem::ops::resolve(
+                &pool,
+                &config.postgres.schema,
+                &key,
+                how,
+                &by,
+                &reason,
+                fingerprint.as_deref(),
+            )
+            .await?;
             println!("{key}: resolved as {} by {by}", how.as_str());
         }
         Command::Approve {

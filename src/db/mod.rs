@@ -44,6 +44,11 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "0006_delivery_schema_id",
         include_str!("../../schemas/postgres/0006_delivery_schema_id.sql"),
     ),
+    (
+        7,
+        "0007_console_search",
+        include_str!("../../schemas/postgres/0007_console_search.sql"),
+    ),
 ];
 
 /// Lets `?` turn a driver error into a stage's error whose `Db` variant wraps [`DbError`]: the

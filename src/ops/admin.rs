@@ -33,6 +33,8 @@ pub struct AdminState {
     pub catalogue: Arc<serde_json::Value>,
     /// The MCP server of `/mcp`: the tools, and its Kafka clients once first called.
     pub mcp: Arc<crate::mcp::Shared>,
+    /// Each gated tool's `approval_timeout`, for the console's deadlines.
+    pub approval_timeouts: Arc<std::collections::HashMap<String, Duration>>,
 }
 
 /// The bearer tokens of the `/v1/` endpoints.
@@ -49,7 +51,7 @@ pub struct Tokens {
 
 /// Who a request is, by its bearer token.
 #[derive(Debug, Clone, PartialEq, Eq)]
-enum Caller {
+pub(crate) enum Caller {
     /// The shared admin token.
     Admin,
     /// A named admin token.
@@ -71,7 +73,7 @@ enum Decider {
 }
 
 impl Tokens {
-    fn caller(&self, headers: &HeaderMap) -> Caller {
+    pub(crate) fn caller(&self, headers: &HeaderMap) -> Caller {
         let Some(value) = headers.get(header::AUTHORIZATION) else {
             return Caller::Anonymous;
         };
@@ -80,6 +82,11 @@ impl Tokens {
             .ok()
             .and_then(|v| v.strip_prefix("Bearer "))
             .unwrap_or("");
+        self.caller_of(given)
+    }
+
+    /// Who holds the token `given`.
+    pub(crate) fn caller_of(&self, given: &str) -> Caller {
         let matches = |t: &Secret| constant_time_eq(given.as_bytes(), t.expose().as_bytes());
         // Every token is compared, so the time taken does not tell which one was near.
         let named = self.named.iter().fold(None, |found, n| {
@@ -100,7 +107,7 @@ impl Tokens {
         }
     }
 
-    fn any_admin(&self) -> bool {
+    pub(crate) fn any_admin(&self) -> bool {
         self.admin.is_some() || !self.named.is_empty()
     }
 
@@ -182,6 +189,7 @@ pub fn router(state: AdminState) -> Router {
         // `approve` or `deny`; `resolve` (below) is matched first, being a fixed segment.
         .route("/v1/actions/{key}/{decision}", post(approve_or_deny))
         .route("/v1/actions/{key}/resolve", post(resolve))
+        .merge(super::console::router())
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(state)
         .merge(mcp)
@@ -316,7 +324,7 @@ fn error(status: StatusCode, message: impl Into<String>) -> AdminError {
 }
 
 /// Equal without an early exit: the time taken does not tell how much of a guess was right.
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+pub(crate) fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     if a.len() != b.len() {
         return false;
     }
@@ -441,14 +449,26 @@ async fn resolve(
             .into_response()
         }
     };
-    match crate::ops::resolve(&s.pool, &s.schema, &key, how, &b.by, &b.reason).await {
+    match crate::ops::resolve(
+        &s.pool,
+        &s.schema,
+        &key,
+        how,
+        &b.by,
+        &b.reason,
+        b.fingerprint.as_deref(),
+    )
+    .await
+    {
         Ok(()) => (
             StatusCode::OK,
             Json(serde_json::json!({"key": key, "resolved": how.as_str()})),
         )
             .into_response(),
         Err(e @ E::NotFound(_)) => error(StatusCode::NOT_FOUND, e.to_string()).into_response(),
-        Err(e @ E::NotParked { .. }) => error(StatusCode::CONFLICT, e.to_string()).into_response(),
+        Err(e @ (E::NotParked { .. } | E::FingerprintMismatch { .. })) => {
+            error(StatusCode::CONFLICT, e.to_string()).into_response()
+        }
         Err(e @ E::Db(_)) => unavailable(e).into_response(),
     }
 }

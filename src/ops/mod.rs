@@ -5,6 +5,7 @@
 use crate::db::DbError;
 
 pub mod admin;
+mod console;
 mod explain;
 mod resolve;
 mod serve;
@@ -21,6 +22,12 @@ pub enum InspectError {
     NotFound(String),
     #[error("key {key:?} is {status}, not unknown: only parked keys are resolved")]
     NotParked { key: String, status: String },
+    #[error("key {key:?} now stands for request {actual}, not {expected}: look at it again before deciding")]
+    FingerprintMismatch {
+        key: String,
+        expected: String,
+        actual: String,
+    },
     #[error(transparent)]
     Db(#[from] DbError),
 }

@@ -32,7 +32,7 @@ impl Resolution {
 }
 
 const LOCK_INTENT: &str = "
-    select id, status from intents
+    select id, status, fingerprint from intents
      where idempotency_key = $1 and class <> 'read_only'
      for update";
 
@@ -58,7 +58,8 @@ const RECORD_RESOLUTION: &str = "
     insert into resolutions (intent_id, idempotency_key, from_status, resolved_as, resolved_by, reason)
     values ($1, $2, $3, $4, $5, $6)";
 
-/// Settles a key parked `unknown`. Succeeded and failed publish the key's new outcome (and
+/// Settles a key parked `unknown`; with `fingerprint`, only if the key still stands for that
+/// request. Succeeded and failed publish the key's new outcome (and
 /// answer every waiting repeat); retry hands it back to the relays.
 pub async fn resolve(
     pool: &Pool,
@@ -67,13 +68,21 @@ pub async fn resolve(
     how: Resolution,
     by: &str,
     reason: &str,
+    fingerprint: Option<&str>,
 ) -> Result<(), InspectError> {
     let mut client = pool.get().await.map_err(DbError::from)?;
     let tx = client.transaction().await?;
     let Some(row) = tx.query_opt(LOCK_INTENT, &[&key]).await? else {
         return Err(InspectError::NotFound(key.to_string()));
     };
-    let (id, status): (i64, String) = (row.get(0), row.get(1));
+    let (id, status, actual): (i64, String, String) = (row.get(0), row.get(1), row.get(2));
+    if let Some(expected) = fingerprint.filter(|f| *f != actual) {
+        return Err(InspectError::FingerprintMismatch {
+            key: key.to_string(),
+            expected: expected.to_string(),
+            actual,
+        });
+    }
     if IntentStatus::parse(&status) != Some(IntentStatus::Unknown) {
         return Err(InspectError::NotParked {
             key: key.to_string(),

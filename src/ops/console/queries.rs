@@ -1,0 +1,131 @@
+//! What the console reads from Postgres, beside `explain`. Each query is served by an index:
+//! `intents_parked` (the waiting list), `intents_key`, `intents_run` and `intents_business`
+//! (search), the BRIN indexes on `created_at` and `received_at` (the last hour), and
+//! `intents_open` (leases).
+
+use deadpool_postgres::Pool;
+
+use crate::db::DbError;
+
+/// One key in a list.
+#[derive(Debug, Clone)]
+pub struct KeyRow {
+    pub key: String,
+    pub tool: String,
+    pub run_id: String,
+    pub business_id: Option<String>,
+    pub status: String,
+    pub recorded_at: String,
+    pub age_secs: f64,
+}
+
+const KEY_COLUMNS: &str = "idempotency_key, tool, run_id, business_id, status,
+    to_char(created_at at time zone 'UTC', 'YYYY-MM-DD HH24:MI:SS') as recorded_at,
+    extract(epoch from now() - created_at)::float8 as age_secs";
+
+fn key_row(row: &tokio_postgres::Row) -> KeyRow {
+    KeyRow {
+        key: row.get("idempotency_key"),
+        tool: row.get("tool"),
+        run_id: row.get("run_id"),
+        business_id: row.get("business_id"),
+        status: row.get("status"),
+        recorded_at: row.get("recorded_at"),
+        age_secs: row.get("age_secs"),
+    }
+}
+
+/// Most keys a list shows.
+pub const LIST_LIMIT: i64 = 500;
+
+/// Keys waiting for a person (`pending_approval`, `unknown`), oldest first; `tool` and `run`
+/// filter when not empty.
+pub async fn waiting(pool: &Pool, tool: &str, run: &str) -> Result<Vec<KeyRow>, DbError> {
+    let sql = format!(
+        "select {KEY_COLUMNS} from intents
+          where status in ('pending_approval', 'unknown') and class <> 'read_only'
+            and ($1 = '' or tool = $1) and ($2 = '' or run_id = $2)
+          order by created_at, id limit $3"
+    );
+    let client = pool.get().await?;
+    let rows = client.query(&sql, &[&tool, &run, &LIST_LIMIT]).await?;
+    Ok(rows.iter().map(key_row).collect())
+}
+
+/// Keys whose key, run id or business id is `q`, newest first.
+pub async fn search(pool: &Pool, q: &str) -> Result<Vec<KeyRow>, DbError> {
+    let sql = format!(
+        "select {KEY_COLUMNS} from intents
+          where class <> 'read_only'
+            and (idempotency_key = $1 or run_id = $1 or business_id = $1)
+          order by id desc limit $2"
+    );
+    let client = pool.get().await?;
+    let rows = client.query(&sql, &[&q, &LIST_LIMIT]).await?;
+    Ok(rows.iter().map(key_row).collect())
+}
+
+/// The last hour, and now.
+#[derive(Debug, Clone, Default)]
+pub struct Overview {
+    /// (tool, status, keys recorded in the last hour).
+    pub by_tool_status: Vec<(String, String, i64)>,
+    /// (origin, deliveries in the last hour): `first` and each kind of repeat.
+    pub by_origin: Vec<(String, i64)>,
+    /// Outcome events not yet published, and the age of the oldest.
+    pub outbox_pending: i64,
+    pub outbox_oldest_secs: f64,
+    /// (relay, keys it is running, latest lease expiry).
+    pub leases: Vec<(String, i64, String)>,
+}
+
+pub async fn overview(pool: &Pool) -> Result<Overview, DbError> {
+    let client = pool.get().await?;
+    let by_tool_status = client
+        .query(
+            "select tool, status, count(*) from intents
+              where created_at > now() - interval '1 hour' and class <> 'read_only'
+              group by 1, 2 order by 1, 2",
+            &[],
+        )
+        .await?
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect();
+    let by_origin = client
+        .query(
+            "select origin, count(*) from deliveries
+              where received_at > now() - interval '1 hour' group by 1 order by 2 desc",
+            &[],
+        )
+        .await?
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    let outbox = client
+        .query_one(
+            "select count(*), coalesce(extract(epoch from now() - min(created_at)), 0)::float8
+               from outbox where published_at is null and quarantined_at is null",
+            &[],
+        )
+        .await?;
+    let leases = client
+        .query(
+            "select lease_owner, count(*),
+                    to_char(max(lease_expires_at) at time zone 'UTC', 'YYYY-MM-DD HH24:MI:SS')
+               from intents where status = 'running' and lease_owner is not null
+              group by 1 order by 1",
+            &[],
+        )
+        .await?
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect();
+    Ok(Overview {
+        by_tool_status,
+        by_origin,
+        outbox_pending: outbox.get(0),
+        outbox_oldest_secs: outbox.get(1),
+        leases,
+    })
+}
