@@ -9,17 +9,22 @@ if ! command -v promtool >/dev/null; then
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null ||
     { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
 fi
+# Chromium and its WebDriver, for the console's browser tests.
+if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium chromium-driver >/dev/null ||
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium chromium-driver >/dev/null; }
+fi
 # Each test makes its own schema; drop those earlier runs left, so the database stays small.
 url=${IDEM_TEST_POSTGRES_URL:-postgres://idem:idem@127.0.0.1:5432/idem}
 psql -qAt "$url" -c "select nspname from pg_namespace where nspname ~ '^(t|m|bench_idem|bench_naive)_[0-9a-f]+$'" |
   while read -r schema; do
     PGOPTIONS='-c client_min_messages=warning' psql -q "$url" -c "drop schema if exists \"$schema\" cascade"
   done
-# The Python venv: the client's tests, the MCP SDK for the MCP server's tests, and
-# kubernetes-validate for the Helm chart's test.
+# The Python venv: the client's tests, the MCP SDK for the MCP server's tests, selenium for the
+# console's, and kubernetes-validate for the Helm chart's test.
 py=${IDEM_LOCAL_DIR:-$HOME/.cache/idem-local}/venv-python
 [ -x "$py/bin/python" ] || python3 -m venv "$py"
-"$py/bin/pip" install -q --disable-pip-version-check -e "clients/python[test]" mcp==2.3.0 kubernetes-validate==1.37.0
+"$py/bin/pip" install -q --disable-pip-version-check -e "clients/python[test]" mcp==2.3.0 selenium==4.51.0 kubernetes-validate==1.37.0
 # Helm, for tests/chart.rs (a Go module; built once into GOPATH/bin).
 helm_bin=$(go env GOPATH)/bin/helm
 [ -x "$helm_bin" ] || go install helm.sh/helm/v4/cmd/helm@v4.3.2
@@ -29,6 +34,8 @@ cargo test --locked --all-targets --features failpoints "$@"
 IDEM_BIN="$PWD/target/debug/idem" "$py/bin/pytest" -q -p no:cacheprovider clients/python
 # The MCP server (`idem mcp` on stdio, `/mcp` over HTTP) with the official Python MCP SDK.
 IDEM_BIN="$PWD/target/debug/idem" "$py/bin/pytest" -q -p no:cacheprovider tests/mcp
+# The console (`/ui/`) in chromium, through WebDriver.
+IDEM_BIN="$PWD/target/debug/idem" "$py/bin/pytest" -q -p no:cacheprovider tests/console
 # The TypeScript client (clients/typescript), likewise.
 (cd clients/typescript && npm ci --no-audit --no-fund --loglevel=error)
 (cd examples/typescript && npm ci --no-audit --no-fund --loglevel=error)
