@@ -69,3 +69,4 @@ pub(crate) mod publish;
 pub(crate) mod recovery;
 pub mod relay;
 pub(crate) mod retry;
+pub mod telemetry;

@@ -6,6 +6,7 @@ mod common;
 
 use std::collections::BTreeSet;
 use std::path::Path;
+use std::time::Duration;
 
 use common::{action, Env};
 use idem::fake_downstream::Step;
@@ -407,4 +408,204 @@ async fn every_log_line_in_an_action_span_names_one_key() {
         200,
         "one outcome line per key, each in its own span"
     );
+}
+
+/// An OTLP/HTTP receiver: decodes each `POST /v1/traces` (protobuf) and keeps its spans.
+struct OtlpReceiver {
+    addr: std::net::SocketAddr,
+    spans: std::sync::Arc<std::sync::Mutex<Vec<opentelemetry_proto::tonic::trace::v1::Span>>>,
+    stop: tokio_util::sync::CancellationToken,
+}
+
+impl Drop for OtlpReceiver {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+impl OtlpReceiver {
+    async fn start() -> OtlpReceiver {
+        use opentelemetry_proto::tonic::collector::trace::v1::{
+            ExportTraceServiceRequest, ExportTraceServiceResponse,
+        };
+        use prost::Message;
+        let spans = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let kept = spans.clone();
+        let app = axum::Router::new().route(
+            "/v1/traces",
+            axum::routing::post(move |body: axum::body::Bytes| {
+                let kept = kept.clone();
+                async move {
+                    let request = ExportTraceServiceRequest::decode(body)
+                        .expect("the relay sends OTLP protobuf");
+                    for resource in request.resource_spans {
+                        let service = resource
+                            .resource
+                            .iter()
+                            .flat_map(|r| &r.attributes)
+                            .any(|a| a.key == "service.name");
+                        assert!(service, "every export names its service");
+                        for scope in resource.scope_spans {
+                            kept.lock().unwrap().extend(scope.spans);
+                        }
+                    }
+                    (
+                        [("content-type", "application/x-protobuf")],
+                        ExportTraceServiceResponse::default().encode_to_vec(),
+                    )
+                }
+            }),
+        );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let stop = tokio_util::sync::CancellationToken::new();
+        let s = stop.clone();
+        tokio::spawn(async move {
+            axum::serve(listener, app)
+                .with_graceful_shutdown(async move { s.cancelled().await })
+                .await
+                .unwrap();
+        });
+        OtlpReceiver { addr, spans, stop }
+    }
+
+    fn spans(&self) -> Vec<opentelemetry_proto::tonic::trace::v1::Span> {
+        self.spans.lock().unwrap().clone()
+    }
+}
+
+#[tokio::test]
+async fn each_action_is_one_trace_over_otlp_and_the_downstream_sees_its_attempt() {
+    let receiver = OtlpReceiver::start().await;
+    let env = Env::new().await;
+    let dir = tempfile::tempdir().unwrap();
+    let config = common::config_file(&env, dir.path(), &common::email_tool(true), "").await;
+    let endpoint = format!("http://{}", receiver.addr);
+    let _relay = common::Child::spawn_with_env(
+        &config,
+        None,
+        &[
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint),
+            ("OTEL_BSP_SCHEDULE_DELAY", "100"),
+            ("OTEL_SERVICE_NAME", "idem-under-test"),
+        ],
+        dir.path().join("relay.log"),
+    );
+    let outcomes = env.outcomes().await;
+    let producer = env.producer();
+    // Five actions, each from its own incoming trace.
+    let mut sent = Vec::new();
+    for i in 0..5 {
+        let trace = format!("{:032x}", (0x4bf92f3577b34da6_u128 << 64) | (i as u128 + 1));
+        let parent = format!("{:016x}", 0x00f067aa0ba90200_u64 + i as u64);
+        let mut event = action(
+            &format!("evt-{i}"),
+            json!({"run_id": "r1", "tool": "send_email", "business_id": format!("b{i}"),
+                   "args": {"to": format!("c{i}")}}),
+        );
+        event["traceparent"] = json!(format!("00-{trace}-{parent}-01"));
+        producer.send(&event).await;
+        sent.push((
+            format!("r1:send_email:b{i}"),
+            trace,
+            parent,
+            format!("evt-{i}"),
+        ));
+    }
+    for (_, _, _, id) in &sent {
+        outcomes.answer(id, "succeeded").await;
+    }
+    let hex = |b: &[u8]| hex::encode(b);
+    common::eventually(
+        "every action's spans at the receiver",
+        Duration::from_secs(30),
+        || async {
+            let spans = receiver.spans();
+            sent.iter().all(|(_, trace, _, _)| {
+                let names: BTreeSet<&str> = spans
+                    .iter()
+                    .filter(|s| hex(&s.trace_id) == *trace)
+                    .map(|s| s.name.as_str())
+                    .collect();
+                names.contains(format!("process {}", env.actions).as_str())
+                    && names.contains("record")
+                    && names.contains("call send_email")
+                    && names.contains(format!("send {}", env.outcomes).as_str())
+            })
+        },
+    )
+    .await;
+    let spans = receiver.spans();
+    // One trace per action: the incoming one, with one action span in it.
+    let traces: BTreeSet<String> = spans.iter().map(|s| hex(&s.trace_id)).collect();
+    assert_eq!(traces, sent.iter().map(|(_, t, _, _)| t.clone()).collect());
+    for (key, trace, parent, id) in &sent {
+        let of_trace: Vec<_> = spans
+            .iter()
+            .filter(|s| hex(&s.trace_id) == *trace)
+            .collect();
+        let process: Vec<_> = of_trace
+            .iter()
+            .filter(|s| s.name == format!("process {}", env.actions))
+            .collect();
+        assert_eq!(process.len(), 1, "one action span in {trace}");
+        let process = process[0];
+        assert_eq!(
+            hex(&process.parent_span_id),
+            *parent,
+            "its parent is the incoming span"
+        );
+        assert_eq!(process.kind, 5, "a consumer span");
+        assert!(process.end_time_unix_nano >= process.start_time_unix_nano);
+        for child in of_trace.iter().filter(|s| s.span_id != process.span_id) {
+            assert_eq!(
+                child.parent_span_id, process.span_id,
+                "{} is a child of the action",
+                child.name
+            );
+            assert!(
+                child.start_time_unix_nano >= process.start_time_unix_nano,
+                "{}",
+                child.name
+            );
+            assert!(
+                child.end_time_unix_nano <= process.end_time_unix_nano,
+                "{}",
+                child.name
+            );
+        }
+        // The downstream saw the call span's context, not the incoming one.
+        let call = of_trace
+            .iter()
+            .find(|s| s.name == "call send_email")
+            .unwrap();
+        assert_eq!(call.kind, 3, "a client span");
+        assert_eq!(
+            env.downstream.traceparent(key),
+            Some(format!("00-{trace}-{}-01", hex(&call.span_id)))
+        );
+        // The outcome carries the publish span's context, header and attribute.
+        let send = of_trace
+            .iter()
+            .find(|s| s.name == format!("send {}", env.outcomes))
+            .unwrap();
+        assert_eq!(send.kind, 4, "a producer span");
+        let expected = format!("00-{trace}-{}-01", hex(&send.span_id));
+        let outcome = outcomes
+            .all()
+            .into_iter()
+            .find(|o| o.json()["data"]["action_event_id"] == id.as_str())
+            .unwrap();
+        assert_eq!(outcome.headers.get("traceparent"), Some(&expected));
+        assert_eq!(outcome.json()["traceparent"], expected.as_str());
+        let attrs: BTreeSet<&str> = process.attributes.iter().map(|a| a.key.as_str()).collect();
+        for a in [
+            "messaging.system",
+            "messaging.destination.name",
+            "messaging.operation.type",
+            "idem.key",
+        ] {
+            assert!(attrs.contains(a), "{a} on the action span");
+        }
+    }
 }

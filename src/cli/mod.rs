@@ -154,7 +154,11 @@ pub async fn run(command: Command) -> anyhow::Result<()> {
                 wait_for_signal().await;
                 signal.cancel();
             });
-            idem::relay::run(config, shutdown).await?;
+            idem::telemetry::init()?;
+            let ran = idem::relay::run(config, shutdown).await;
+            // The batch processor flushes on its own thread, which blocks: not on a worker.
+            tokio::task::spawn_blocking(idem::telemetry::shutdown).await?;
+            ran?;
         }
         Command::Migrate { config } => {
             let config = load(&config)?;

@@ -111,6 +111,7 @@ impl Consume {
     }
 
     async fn process(&self, batch: &[BorrowedMessage<'_>], shutdown: &CancellationToken) {
+        let started = std::time::SystemTime::now();
         let items: Vec<Incoming> = batch.iter().map(|m| self.decode(m)).collect();
 
         // Dead letters go out before the offsets move, so a poison message is never lost. One
@@ -168,6 +169,9 @@ impl Consume {
             }
         };
         crate::failpoint::crash_point!("after-intent-commit");
+        if crate::telemetry::enabled() {
+            trace_recorded(&items, started, &self.config.kafka.group_id);
+        }
 
         // The intents are durable: now, and only now, may these offsets advance.
         let mut high: BTreeMap<(&str, i32), i64> = BTreeMap::new();
@@ -412,5 +416,38 @@ impl Consume {
                 tracing::warn!(error = %e, topic, partition, offset, "cannot rewind the partition");
             }
         }
+    }
+}
+
+/// Exports a `record` span for each action of a batch just recorded: from the batch's start to
+/// its commit, a child of the action's span.
+fn trace_recorded(items: &[Incoming], started: std::time::SystemTime, group: &str) {
+    use crate::telemetry::{ActionTrace, Attribute, Kind};
+    let now = std::time::SystemTime::now();
+    for item in items {
+        let Incoming::Action(a) = item else { continue };
+        crate::telemetry::action_consumed(&a.key, started);
+        let trace = ActionTrace::of(&a.key, a.event.traceparent.as_deref());
+        trace.emit_child(
+            trace.child(&format!("record/{}", a.event.id)),
+            "record".to_string(),
+            Kind::Internal,
+            started,
+            now,
+            vec![
+                Attribute::new("messaging.system", "kafka"),
+                Attribute::new("messaging.destination.name", a.pos.topic.clone()),
+                Attribute::new("messaging.consumer.group.name", group.to_string()),
+                Attribute::new(
+                    "messaging.destination.partition.id",
+                    a.pos.partition.to_string(),
+                ),
+                Attribute::new("messaging.kafka.offset", a.pos.offset),
+                Attribute::new("messaging.message.id", a.event.id.clone()),
+                Attribute::new("idem.tool", a.tool.clone()),
+                Attribute::new("db.system.name", "postgresql"),
+            ],
+            None,
+        );
     }
 }

@@ -118,7 +118,27 @@ impl Executor {
             ));
         };
         crash_point!("before-verify");
-        let (verified, status, took) = http::verify(self.http.of(tool), v, url, &c.key).await;
+        let span = Attempted::start(c, "verify", seq);
+        let (verified, status, took) = http::verify(
+            self.http.of(tool),
+            v,
+            url,
+            &c.key,
+            span.traceparent(c).as_deref(),
+        )
+        .await;
+        span.end(
+            tool,
+            v.method.as_str(),
+            url,
+            status,
+            match &verified {
+                Verified::Done(_) => "done",
+                Verified::NotDone => "not_done",
+                _ => "inconclusive",
+            },
+            false,
+        );
         let status = status.map(i32::from);
         let verified = match (verified, run.deadline) {
             (Verified::NotDone, Some(d)) if Instant::now() < d => Verified::Premature(d),
@@ -219,15 +239,24 @@ impl Executor {
         run.calls += 1;
         let calls = run.calls;
         run.deadline = Some(Instant::now() + exec.timeout);
+        let span = Attempted::start(c, "call", run.seq);
         let (attempt, took) = http::call(
             self.http.of(tool),
             exec,
             &run.url,
             &c.key,
             &c.args,
-            c.traceparent.as_deref(),
+            span.traceparent(c).as_deref(),
         )
         .await;
+        span.end(
+            tool,
+            exec.method.as_str(),
+            &run.url,
+            attempt.http_status(),
+            attempt.classification(),
+            !matches!(attempt, Attempt::Succeeded(_)),
+        );
         self.metrics
             .side_effect_duration(&tool.name, took.as_secs_f64());
         let end = AttemptEnd::new(
@@ -311,5 +340,73 @@ impl Executor {
         tokio::time::sleep(wait).await;
         run.seq = self.begin(c, "call", "transport_retry").await?;
         Ok(Step::Call)
+    }
+}
+
+/// One attempt's span (when traces are exported): started before the request, so the
+/// downstream receives the attempt's own `traceparent`, and exported when it ends.
+struct Attempted {
+    trace: Option<(crate::telemetry::ActionTrace, opentelemetry::trace::SpanId)>,
+    kind: &'static str,
+    seq: i32,
+    start: std::time::SystemTime,
+}
+
+impl Attempted {
+    fn start(c: &Claimed, kind: &'static str, seq: i32) -> Self {
+        let trace = crate::telemetry::enabled().then(|| {
+            let t = crate::telemetry::ActionTrace::of(&c.key, c.traceparent.as_deref());
+            let id = t.child(&format!("attempt/{seq}"));
+            (t, id)
+        });
+        Self {
+            trace,
+            kind,
+            seq,
+            start: std::time::SystemTime::now(),
+        }
+    }
+
+    /// What the downstream receives: the attempt's context, or the incoming one unchanged
+    /// when traces are not exported.
+    fn traceparent(&self, c: &Claimed) -> Option<String> {
+        match &self.trace {
+            Some((t, id)) => Some(t.traceparent(*id)),
+            None => c.traceparent.clone(),
+        }
+    }
+
+    fn end(
+        self,
+        tool: &Tool,
+        method: &str,
+        url: &str,
+        status: Option<u16>,
+        result: &str,
+        error: bool,
+    ) {
+        use crate::telemetry::{Attribute, Kind};
+        let Some((trace, id)) = self.trace else {
+            return;
+        };
+        let mut attributes = vec![
+            Attribute::new("http.request.method", method.to_string()),
+            Attribute::new("url.full", url.to_string()),
+            Attribute::new("idem.attempt.kind", self.kind),
+            Attribute::new("idem.attempt.seq", i64::from(self.seq)),
+            Attribute::new("idem.attempt.result", result.to_string()),
+        ];
+        if let Some(s) = status {
+            attributes.push(Attribute::new("http.response.status_code", i64::from(s)));
+        }
+        trace.emit_child(
+            id,
+            format!("{} {}", self.kind, tool.name),
+            Kind::Client,
+            self.start,
+            std::time::SystemTime::now(),
+            attributes,
+            error.then(|| result.to_string()),
+        );
     }
 }

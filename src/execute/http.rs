@@ -345,14 +345,17 @@ pub async fn verify(
     v: &crate::config::Verify,
     url: &str,
     idem_key: &str,
+    traceparent: Option<&str>,
 ) -> (Verified, Option<u16>, Duration) {
     let started = Instant::now();
-    let resp = client
+    let mut req = client
         .request(v.method.clone(), url)
         .timeout(v.timeout)
-        .header("Idempotency-Key", idem_key)
-        .send()
-        .await;
+        .header("Idempotency-Key", idem_key);
+    if let Some(t) = traceparent {
+        req = req.header("traceparent", t);
+    }
+    let resp = req.send().await;
     let (verified, status) = match resp {
         Err(e) => (
             Verified::Inconclusive(format!("verify request failed: {e}")),

@@ -248,6 +248,14 @@ impl Outcome {
         traceparent: Option<String>,
     ) -> Self {
         let key = data.idempotency_key.clone();
+        // Exported traces: the outcome carries its publish span's context, a child of the
+        // action's span.
+        let traceparent = if crate::telemetry::enabled() {
+            let trace = crate::telemetry::ActionTrace::of(&key, traceparent.as_deref());
+            Some(trace.traceparent(trace.child(&format!("publish/{event_id}"))))
+        } else {
+            traceparent
+        };
         let mut payload = serde_json::json!({
             "specversion": "1.0",
             "type": OUTCOME_TYPE,

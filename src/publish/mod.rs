@@ -2,6 +2,7 @@
 //! LISTEN/NOTIFY with a polling fallback. Rows are marked published only after Kafka
 //! acknowledged them, so a crash in between republishes the same event ids.
 
+use crate::publish::outbox::OutboxRow;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -106,6 +107,7 @@ impl Publisher {
         if rows.is_empty() {
             return Ok(0);
         }
+        let started = std::time::SystemTime::now();
         let topic = &self.config.kafka.outcomes_topic;
         let (generation, producer) = self.producer.get();
         let mut pending = Vec::with_capacity(rows.len());
@@ -199,6 +201,11 @@ impl Publisher {
         }
         tx.commit().await?;
         self.metrics.published(topic, acked.len() as u64);
+        if crate::telemetry::enabled() {
+            let published: Vec<&OutboxRow> =
+                rows.iter().filter(|r| acked.contains(&r.id)).collect();
+            self.trace_published(&published, started).await;
+        }
         for (row, e) in &refused {
             self.metrics.outbox_quarantined();
             tracing::error!(event_id = %row.event_id, key = %row.key, error = %e, "outcome event refused by the producer for good; quarantined in the outbox");
@@ -209,7 +216,89 @@ impl Publisher {
         }
         Ok(rows.len())
     }
+
+    /// Exports a `send` span for each published outcome, and the action's own span once its
+    /// first outcome that is not a repeat's answer (nor a wait for approval) went out.
+    async fn trace_published(&self, rows: &[&OutboxRow], started: std::time::SystemTime) {
+        use crate::telemetry::{ActionTrace, Attribute, Kind};
+        let keys: Vec<&str> = rows.iter().map(|r| r.key.as_str()).collect();
+        let intents = match self.pool.get().await {
+            Ok(client) => client.query(TRACED_INTENTS, &[&keys]).await.ok(),
+            Err(_) => None,
+        };
+        let Some(intents) = intents else {
+            tracing::debug!("spans of published outcomes skipped: the database did not answer");
+            return;
+        };
+        let now = std::time::SystemTime::now();
+        let outcomes = &self.config.kafka.outcomes_topic;
+        for row in rows {
+            let Some(intent) = intents.iter().find(|i| i.get::<_, &str>(0) == row.key) else {
+                continue;
+            };
+            let created: std::time::SystemTime = intent.get(1);
+            let trace = ActionTrace::of(&row.key, intent.get::<_, Option<&str>>(2));
+            let data = &row.payload["data"];
+            let status = data["status"].as_str().unwrap_or_default().to_string();
+            trace.emit_child(
+                trace.child(&format!("publish/{}", row.event_id)),
+                format!("send {outcomes}"),
+                Kind::Producer,
+                started,
+                now,
+                vec![
+                    Attribute::new("messaging.system", "kafka"),
+                    Attribute::new("messaging.operation.type", "send"),
+                    Attribute::new("messaging.operation.name", "send"),
+                    Attribute::new("messaging.destination.name", outcomes.clone()),
+                    Attribute::new("messaging.message.id", row.event_id.clone()),
+                    Attribute::new("messaging.kafka.message.key", row.key.clone()),
+                    Attribute::new("idem.outcome.status", status.clone()),
+                ],
+                None,
+            );
+            if data["duplicate"] != true && status != "pending_approval" {
+                let error = matches!(status.as_str(), "failed" | "unknown" | "rejected")
+                    .then(|| format!("{status}: {}", data["error"]["code"].as_str().unwrap_or("")));
+                let mut attributes = vec![
+                    Attribute::new("messaging.system", "kafka"),
+                    Attribute::new("messaging.operation.type", "process"),
+                    Attribute::new("messaging.operation.name", "process"),
+                    Attribute::new(
+                        "messaging.destination.name",
+                        self.config.kafka.actions_topic.clone(),
+                    ),
+                    Attribute::new(
+                        "messaging.consumer.group.name",
+                        self.config.kafka.group_id.clone(),
+                    ),
+                    Attribute::new("idem.outcome.status", status.clone()),
+                ];
+                if let Some(tool) = data["tool"].as_str() {
+                    attributes.push(Attribute::new("idem.tool", tool.to_string()));
+                }
+                if let Some(e) = data["action_event_id"].as_str() {
+                    attributes.push(Attribute::new("messaging.message.id", e.to_string()));
+                }
+                let consumed =
+                    crate::telemetry::consumed_at(&row.key).map_or(created, |t| t.min(created));
+                trace.emit_action(
+                    format!("process {}", self.config.kafka.actions_topic),
+                    consumed,
+                    now,
+                    attributes,
+                    error,
+                );
+            }
+        }
+    }
 }
+
+/// The creation time and incoming `traceparent` of each key, for its spans.
+const TRACED_INTENTS: &str = "
+    select distinct on (idempotency_key) idempotency_key, created_at, traceparent
+      from intents where idempotency_key = any($1)
+     order by idempotency_key, id";
 
 /// Listens on the outbox channel and wakes the publisher on every notification; reconnects
 /// when the connection drops (the publisher polls meanwhile).

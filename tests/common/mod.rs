@@ -413,6 +413,16 @@ impl Child {
         failpoints: Option<&str>,
         log: std::path::PathBuf,
     ) -> Child {
+        Self::spawn_with_env(config, failpoints, &[], log)
+    }
+
+    /// As [`Child::spawn`], with more environment variables.
+    pub fn spawn_with_env(
+        config: &std::path::Path,
+        failpoints: Option<&str>,
+        env: &[(&str, &str)],
+        log: std::path::PathBuf,
+    ) -> Child {
         let out = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -427,6 +437,7 @@ impl Child {
         if let Some(f) = failpoints {
             cmd.env("FAILPOINTS", f);
         }
+        cmd.envs(env.iter().copied());
         Child {
             process: cmd.spawn().expect("relay binary starts"),
             log,
