@@ -190,9 +190,20 @@ pub fn waiting(
     layout("Waiting", Some(session), &body)
 }
 
-pub fn search(session: &Session, q: &str, rows: &[KeyRow]) -> String {
+pub fn search(session: &Session, q: &str, rows: &[KeyRow], cut_short: bool) -> String {
+    let note = if cut_short {
+        banner(
+            "error",
+            &format!(
+                "The search by run id or business id walks the keys newest first and stopped after {}: older keys were not looked at. An exact key is always found.",
+                super::queries::SEARCH_BUDGET
+            ),
+        )
+    } else {
+        String::new()
+    };
     let body = format!(
-        r#"<p class="hint">Keys whose key, run id or business id is <code>{}</code>, newest first.</p>{}"#,
+        r#"{note}<p class="hint">Keys whose key, run id or business id is <code>{}</code>, newest first.</p>{}"#,
         esc(q),
         key_table(rows, &|_| None)
     );

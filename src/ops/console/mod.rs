@@ -245,10 +245,13 @@ async fn search(
     let q = q.q.trim();
     // A single exact match goes straight to the key.
     match queries::search(&s.pool, q).await {
-        Ok(rows) if rows.len() == 1 && rows[0].key == q => {
+        Ok(found) if found.rows.len() == 1 && found.rows[0].key == q => {
             see_other(&format!("/ui/keys/{}", html::enc(q)))
         }
-        Ok(rows) => page(StatusCode::OK, html::search(&session, q, &rows)),
+        Ok(found) => page(
+            StatusCode::OK,
+            html::search(&session, q, &found.rows, found.cut_short),
+        ),
         Err(e) => unavailable(&session, e),
     }
 }

@@ -1,7 +1,8 @@
-//! What the console reads from Postgres, beside `explain`. Each query is served by an index:
-//! `intents_parked` (the waiting list), `intents_key`, `intents_run` and `intents_business`
-//! (search), the BRIN indexes on `created_at` and `received_at` (the last hour), and
-//! `intents_open` (leases).
+//! What the console reads from Postgres, beside `explain`. The waiting list is served by
+//! `intents_parked`, a key by `intents_key`, the last hour by the BRIN indexes on `created_at`
+//! and `received_at`, and leases by `intents_open`. A search by run id or business id has no
+//! index of its own (each would cost every action a fifth more Postgres CPU): it walks the keys
+//! newest first, for at most [`SEARCH_BUDGET`].
 
 use deadpool_postgres::Pool;
 
@@ -52,17 +53,49 @@ pub async fn waiting(pool: &Pool, tool: &str, run: &str) -> Result<Vec<KeyRow>, 
     Ok(rows.iter().map(key_row).collect())
 }
 
+/// How long a search by run id or business id may scan.
+pub const SEARCH_BUDGET: &str = "5s";
+
+/// What a search found.
+#[derive(Debug, Clone)]
+pub struct Found {
+    pub rows: Vec<KeyRow>,
+    /// The scan by run id or business id ran out of time: older keys were not looked at.
+    pub cut_short: bool,
+}
+
 /// Keys whose key, run id or business id is `q`, newest first.
-pub async fn search(pool: &Pool, q: &str) -> Result<Vec<KeyRow>, DbError> {
-    let sql = format!(
+pub async fn search(pool: &Pool, q: &str) -> Result<Found, DbError> {
+    let mut client = pool.get().await?;
+    let by_key = format!(
         "select {KEY_COLUMNS} from intents
-          where class <> 'read_only'
-            and (idempotency_key = $1 or run_id = $1 or business_id = $1)
+          where class <> 'read_only' and idempotency_key = $1"
+    );
+    let mut rows: Vec<KeyRow> = client
+        .query(&by_key, &[&q])
+        .await?
+        .iter()
+        .map(key_row)
+        .collect();
+    let by_run = format!(
+        "select {KEY_COLUMNS} from intents
+          where class <> 'read_only' and (run_id = $1 or business_id = $1)
           order by id desc limit $2"
     );
-    let client = pool.get().await?;
-    let rows = client.query(&sql, &[&q, &LIST_LIMIT]).await?;
-    Ok(rows.iter().map(key_row).collect())
+    let tx = client.transaction().await?;
+    tx.batch_execute(&format!("set local statement_timeout = '{SEARCH_BUDGET}'"))
+        .await?;
+    let cut_short = match tx.query(&by_run, &[&q, &LIST_LIMIT]).await {
+        Ok(found) => {
+            rows.extend(found.iter().map(key_row).filter(|r| r.key != q));
+            tx.commit().await?;
+            false
+        }
+        // 57014: canceled by the statement timeout.
+        Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::QUERY_CANCELED) => true,
+        Err(e) => return Err(e.into()),
+    };
+    Ok(Found { rows, cut_short })
 }
 
 /// The last hour, and now.
