@@ -8,7 +8,7 @@ use crate::execute::http::{self, Attempt, Verified};
 use crate::outcome::OutcomeStatus;
 use crate::outcome::Settled;
 
-use crate::execute::claim::{AttemptEnd, Claimed};
+use crate::execute::claim::{AttemptEnd, Claimed, FRESH_CLAIM};
 
 use super::*;
 
@@ -87,8 +87,9 @@ impl Executor {
             calls: 0,
             verifications: 0,
             deadline: if c.needs_verify {
+                // The call's start was recorded up to FRESH_CLAIM before it was sent.
                 c.since_call
-                    .map(|age| Instant::now() + exec.timeout.saturating_sub(age))
+                    .map(|age| Instant::now() + (exec.timeout + FRESH_CLAIM).saturating_sub(age))
             } else {
                 None
             },
@@ -232,8 +233,11 @@ impl Executor {
                 end,
             ));
         }
-        if run.waited && run.calls == 0 && run.seq == c.seq {
-            // Claimed when recorded, then queued: the claim must still be ours.
+        if run.waited && run.calls == 0 && run.seq == c.seq && c.claimed_at.elapsed() > FRESH_CLAIM
+        {
+            // Claimed when recorded, then queued: the claim must still be ours. (The monotonic
+            // clock runs while the process is stopped, so a relay paused past its lease is
+            // fenced here.)
             self.fence(c).await?;
         }
         run.calls += 1;

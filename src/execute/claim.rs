@@ -35,7 +35,15 @@ pub struct Claimed {
     pub reason: String,
     /// The attempt row the claim opened (a call, or a verification when `needs_verify`).
     pub seq: i32,
+    /// When this relay made the claim (taken before its commit, so never late).
+    pub claimed_at: std::time::Instant,
 }
+
+/// A claim made when its intent was recorded and sent within this long needs no fence before
+/// its first call: its lease (seconds) cannot have run out, and its attempt's start (the
+/// claim's time) precedes the send by at most this much. Recovery adds it to a call's timeout
+/// before concluding that a call with that start can no longer be in flight.
+pub const FRESH_CLAIM: Duration = Duration::from_millis(100);
 
 impl Claimed {
     /// A row of CLAIM_MANY.
@@ -61,6 +69,7 @@ impl Claimed {
                 .get::<_, Option<f64>>("since_call")
                 .map(|s| Duration::from_secs_f64(s.max(0.0))),
             seq: row.get("seq"),
+            claimed_at: std::time::Instant::now(),
         }
     }
 }

@@ -102,6 +102,7 @@ impl KeyedAction {
             since_call: None,
             reason: "first".into(),
             seq: 1,
+            claimed_at: std::time::Instant::now(),
         }
     }
 
