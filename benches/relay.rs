@@ -2,18 +2,27 @@
 //! the idempotency literature writes first, on the same Kafka and Postgres, in one run.
 //!
 //! `cargo bench --bench relay -- [--actions N] [--dup 0.1] [--latency-ms 0] [--partitions 6]
-//! [--payload 200] [--concurrency 256] [--rate 0] [--naive-actions N] [--modes idem,naive,dbos]`
+//! [--payload 200] [--concurrency 256] [--rate 0] [--naive-actions N]
+//! [--modes idem,naive,dbos,restate]`
 //!
 //! `dbos` runs `benches/dbos_relay.py` (DBOS Transact's Kafka integration, one workflow per message,
 //! the effect in a child workflow keyed by the idempotency key) with the Python named by
 //! `IDEM_BENCH_PYTHON` (one with `pip install dbos confluent-kafka requests`).
 //!
+//! `restate` runs `benches/restate/launch.mjs` (restate-server with a Kafka subscription to a
+//! handler that forwards each action to a Virtual Object keyed by the idempotency key, which
+//! keeps the first result in its state) with the Node named by `IDEM_BENCH_NODE` (default `node`),
+//! after `npm ci --prefix benches/restate`.
+//!
 //! Without `--bench` (as `cargo test --all-targets` runs it) it is a smoke run of a few hundred
 //! actions, so the benchmark keeps working. Each mode runs its relay as a child process, so its
-//! CPU and peak RSS are its own, and checks correctness as it goes: effects at the downstream ==
-//! distinct keys, every action answered.
+//! CPU and peak RSS are its own (with its child processes', for a relay made of several), and
+//! checks correctness as it goes: effects at the downstream == distinct keys, every action
+//! answered.
 
 use std::collections::HashMap;
+use std::io::{BufRead, BufReader};
+use std::process::{ChildStdout, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -257,6 +266,68 @@ fn proc_stats(pid: u32) -> (f64, f64) {
     (cpu, hwm_kib / 1024.0)
 }
 
+/// `pid` and its descendants, read from /proc once: a relay that starts its own processes (the
+/// restate peer's server and service) is measured whole.
+fn process_tree(pid: u32) -> Vec<u32> {
+    let parents: Vec<(u32, u32)> = std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            let p: u32 = e.file_name().to_str()?.parse().ok()?;
+            let stat = std::fs::read_to_string(format!("/proc/{p}/stat")).ok()?;
+            // The parent is the second field after the command name.
+            let ppid = stat
+                .rsplit(')')
+                .next()?
+                .split_whitespace()
+                .nth(1)?
+                .parse()
+                .ok()?;
+            Some((p, ppid))
+        })
+        .collect();
+    let mut tree = vec![pid];
+    let mut i = 0;
+    while i < tree.len() {
+        let parent = tree[i];
+        tree.extend(
+            parents
+                .iter()
+                .filter(|(_, pp)| *pp == parent)
+                .map(|(p, _)| *p),
+        );
+        i += 1;
+    }
+    tree
+}
+
+/// CPU seconds and peak RSS summed over processes; the RSS sum is of each one's own peak, so
+/// for several processes it is an upper bound.
+fn tree_stats(pids: &[u32]) -> (f64, f64) {
+    pids.iter()
+        .map(|p| proc_stats(*p))
+        .fold((0.0, 0.0), |(c, r), (pc, pr)| (c + pc, r + pr))
+}
+
+/// Forwards a child's stdout to stderr; the receiver resolves when a line contains `ready`, and
+/// fails if the child closes its stdout first.
+fn ready_line(out: ChildStdout, ready: &'static str) -> tokio::sync::oneshot::Receiver<()> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    std::thread::spawn(move || {
+        let mut tx = Some(tx);
+        for line in BufReader::new(out).lines().map_while(Result::ok) {
+            eprintln!("{line}");
+            if line.contains(ready) {
+                if let Some(tx) = tx.take() {
+                    let _ = tx.send(());
+                }
+            }
+        }
+    });
+    rx
+}
+
 async fn run_mode(mode: &str, n: usize, opts: &Opts) -> Report {
     let base = format!(
         "bench_{}_{}",
@@ -349,8 +420,30 @@ verify = {{ url = "http://{addr}/v1/effects/{{key}}" }}
                 .spawn()
                 .expect("a python with dbos, confluent-kafka and requests (IDEM_BENCH_PYTHON)")
         }
-        other => panic!("unknown mode {other}: use idem, naive or dbos"),
+        "restate" => {
+            let node = std::env::var("IDEM_BENCH_NODE").unwrap_or_else(|_| "node".into());
+            let spec = json!({"brokers": brokers(), "group": base, "actions": actions, "outcomes": outcomes,
+                              "url": url});
+            let script =
+                std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/restate/launch.mjs");
+            let mut child = std::process::Command::new(node)
+                .args([script.to_str().unwrap(), &spec.to_string()])
+                .stdout(Stdio::piped())
+                .spawn()
+                .expect("a node (IDEM_BENCH_NODE), after `npm ci --prefix benches/restate`");
+            // It says so once its subscription's consumer group has its partitions.
+            let ready = ready_line(child.stdout.take().unwrap(), "restate peer ready");
+            match tokio::time::timeout(Duration::from_secs(120), ready).await {
+                Ok(Ok(())) => child,
+                late_or_dead => {
+                    let _ = child.kill();
+                    panic!("restate peer not ready: {late_or_dead:?}")
+                }
+            }
+        }
+        other => panic!("unknown mode {other}: use idem, naive, dbos or restate"),
     };
+    let pids = process_tree(child.id());
 
     // Collect outcomes from the start of the topic.
     // Action event id → when the collector saw its first outcome, and that outcome's Kafka
@@ -396,7 +489,7 @@ verify = {{ url = "http://{addr}/v1/effects/{{key}}" }}
     // Let the relay join its group before the clock starts.
     tokio::time::sleep(Duration::from_secs(3)).await;
     let commits_before = pg_commits(&pg).await;
-    let (cpu_before, _) = proc_stats(child.id());
+    let (cpu_before, _) = tree_stats(&pids);
     let started = Instant::now();
     let mut published: HashMap<String, (Instant, i64)> = HashMap::with_capacity(n);
     // Flat out, or in 10 ms ticks of rate/100 actions.
@@ -445,7 +538,7 @@ verify = {{ url = "http://{addr}/v1/effects/{{key}}" }}
     let mut peak_rss: f64 = 0.0;
     loop {
         let done = answered.lock().unwrap().len();
-        peak_rss = peak_rss.max(proc_stats(child.id()).1);
+        peak_rss = peak_rss.max(tree_stats(&pids).1);
         if events
             .iter()
             .all(|(id, _)| answered.lock().unwrap().contains_key(id))
@@ -466,7 +559,7 @@ verify = {{ url = "http://{addr}/v1/effects/{{key}}" }}
         .max()
         .unwrap();
     let seconds = finished.duration_since(started).as_secs_f64();
-    let (cpu_after, hwm) = proc_stats(child.id());
+    let (cpu_after, hwm) = tree_stats(&pids);
     let commits = pg_commits(&pg).await - commits_before;
     // End to end (send → outcome seen), and its first part: send → outcome produced by the
     // relay (the outcome's Kafka timestamp, millisecond resolution).
