@@ -3,7 +3,12 @@
 //!
 //! `cargo bench --bench relay -- [--actions N] [--dup 0.1] [--latency-ms 0] [--partitions 6]
 //! [--payload 200] [--concurrency 256] [--rate 0] [--naive-actions N]
-//! [--modes idem,naive,dbos,restate]`
+//! [--modes idem,naive,dbos,restate] [--prefill N]`
+//!
+//! `--prefill N` writes N finished keys into idem's tables before the run (growth);
+//! `--prune-interval 1s` has the relay prune them (they are past retention) during the run.
+//! `IDEM_BENCH_SCHEMA=name` keeps idem's tables in that schema across runs (fill once, measure
+//! several ways).
 //!
 //! `dbos` runs `benches/dbos_relay.py` (DBOS Transact's Kafka integration, one workflow per message,
 //! the effect in a child workflow keyed by the idempotency key) with the Python named by
@@ -48,6 +53,11 @@ struct Opts {
     modes: Vec<String>,
     /// Actions per second to publish at; 0 publishes flat out.
     rate: usize,
+    /// Finished keys written into idem's tables before the run (growth).
+    prefill: usize,
+    /// idem's `relay.prune_interval`: `1s` prunes the prefilled keys (30 days old, past the
+    /// 7-day retention) while the run goes on.
+    prune_interval: String,
     full: bool,
 }
 
@@ -71,6 +81,8 @@ fn parse() -> Opts {
         payload: num("--payload", 200),
         concurrency: num("--concurrency", 256),
         rate: num("--rate", 0),
+        prefill: num("--prefill", 0),
+        prune_interval: get("--prune-interval").unwrap_or_else(|| "10m".into()),
         modes: get("--modes").map_or_else(
             || vec!["idem".into(), "naive".into()],
             |m| m.split(',').map(str::to_string).collect(),
@@ -182,17 +194,19 @@ fn print_table(opts: &Opts, reports: &[Report]) {
 }
 
 /// One event per action; `dup` of them repeat an earlier key (half replays, half rewordings).
-fn workload(n: usize, dup: f64, payload: usize) -> (Vec<(String, Value)>, usize) {
+/// `tag` makes the run's keys and event ids its own, so runs can share idem's tables
+/// (`IDEM_BENCH_SCHEMA`).
+fn workload(n: usize, dup: f64, payload: usize, tag: &str) -> (Vec<(String, Value)>, usize) {
     let distinct = ((n as f64) * (1.0 - dup)).round().max(1.0) as usize;
     let pad = "x".repeat(payload);
     let events = (0..n)
         .map(|i| {
             let k = if i < distinct { i } else { (i * 7919) % distinct };
             let subject = if i >= distinct && i % 2 == 1 { "reworded" } else { "hello" };
-            let id = format!("bench-{i}");
+            let id = format!("{tag}-{i}");
             let event = json!({
                 "specversion": "1.0", "id": id, "source": "bench", "type": "dev.idem.action.v1",
-                "data": {"run_id": format!("run-{}", k % 97), "tool": "send", "business_id": format!("b{k}"),
+                "data": {"run_id": format!("{tag}-run-{}", k % 97), "tool": "send", "business_id": format!("b{k}"),
                          "args": {"to": format!("c{k}"), "subject": subject, "pad": pad}}
             });
             (id, event)
@@ -264,6 +278,74 @@ fn proc_stats(pid: u32) -> (f64, f64) {
         .and_then(|v| v.parse::<f64>().ok())
         .unwrap_or(0.0);
     (cpu, hwm_kib / 1024.0)
+}
+
+/// Writes `n` finished keys (with their delivery, attempt and published outcome, sized like
+/// the workload's) into `schema`, as months of traffic would have left them, then prints each
+/// table's size with its indexes, per million keys.
+async fn prefill(pg: &tokio_postgres::Client, schema: &str, n: usize, payload: usize) {
+    let started = Instant::now();
+    let n = n as i64;
+    let fill = format!(
+        "set search_path = {schema};
+         insert into intents (idempotency_key, tool, class, run_id, step, business_id, args, material,
+                              fingerprint, args_hash, action_event_id, source_topic, source_partition,
+                              source_offset, status, result, attempts, status_seq, lease_epoch,
+                              created_at, updated_at, finished_at)
+         select 'old-' || (g / 10) || ':send:b' || g, 'send', 'dangerous', 'old-' || (g / 10), 1, 'b' || g,
+                jsonb_build_object('to', 'customer-' || g, 'body', repeat('x', {payload})),
+                jsonb_build_object('args.to', 'customer-' || g), md5('f' || g), md5('a' || g),
+                'old-evt-' || g, 'old.actions', g % 6, g, 'succeeded',
+                jsonb_build_object('id', 'eff_' || g, 'tool', 'send', 'key', 'old-' || (g / 10) || ':send:b' || g),
+                1, 1, 1, t, t + interval '4 ms', t + interval '4 ms'
+           from generate_series(1, {n}) g,
+                lateral (select now() - interval '30 days' + g * interval '200 ms' as t) tt;
+         insert into deliveries (intent_id, idempotency_key, action_event_id, source_topic,
+                                 source_partition, source_offset, origin, received_at, answered)
+         select id, idempotency_key, action_event_id, source_topic, source_partition, source_offset,
+                'first', created_at, true from intents where idempotency_key like 'old-%';
+         insert into attempts (intent_id, idempotency_key, seq, kind, reason, owner, lease_epoch,
+                               started_at, ended_at, classification, http_status, latency_ms)
+         select id, idempotency_key, 1, 'call', 'first', 'old-relay', 1, created_at,
+                created_at + interval '3 ms', 'succeeded', 200, 3.0
+           from intents where idempotency_key like 'old-%';
+         insert into outbox (event_id, kafka_key, payload, created_at, published_at)
+         select md5('o' || id), idempotency_key,
+                jsonb_build_object('specversion', '1.0', 'type', 'dev.idem.outcome.v1', 'source', 'idem',
+                                   'id', md5('o' || id), 'subject', idempotency_key, 'time', finished_at,
+                                   'datacontenttype', 'application/json',
+                                   'data', jsonb_build_object('idempotency_key', idempotency_key,
+                                       'run_id', run_id, 'step', step, 'tool', tool,
+                                       'action_event_id', action_event_id, 'status', status,
+                                       'result', result, 'error', null, 'duplicate', false,
+                                       'attempts', 1, 'note', 'Done once.')),
+                finished_at, finished_at + interval '2 ms'
+           from intents where idempotency_key like 'old-%';
+         analyze;"
+    );
+    pg.batch_execute(&fill).await.expect("prefill");
+    eprintln!(
+        "prefilled {n} finished keys in {:.0}s",
+        started.elapsed().as_secs_f64()
+    );
+    for table in ["intents", "deliveries", "attempts", "outbox"] {
+        let row = pg
+            .query_one(
+                &format!(
+                    "select pg_table_size('{schema}.{table}'), pg_indexes_size('{schema}.{table}')"
+                ),
+                &[],
+            )
+            .await
+            .unwrap();
+        let (heap, indexes): (i64, i64) = (row.get(0), row.get(1));
+        let per_million = |b: i64| b as f64 / 1048576.0 / (n as f64 / 1e6);
+        eprintln!(
+            "{table}: {:.0} MiB table + {:.0} MiB indexes per million keys",
+            per_million(heap),
+            per_million(indexes)
+        );
+    }
 }
 
 /// `pid` and its descendants, read from /proc once: a relay that starts its own processes (the
@@ -354,6 +436,9 @@ async fn run_mode(mode: &str, n: usize, opts: &Opts) -> Report {
     };
     let url = format!("http://{addr}/v1/send{delay}");
 
+    // IDEM_BENCH_SCHEMA keeps idem's tables across runs (a prefilled schema measured several
+    // ways); by default each run has its own.
+    let pg_schema = std::env::var("IDEM_BENCH_SCHEMA").unwrap_or_else(|_| base.clone());
     let (pg, conn) = tokio_postgres::connect(&postgres_url(), tokio_postgres::NoTls)
         .await
         .unwrap();
@@ -372,10 +457,11 @@ dlq_topic = "{dlq}"
 partitions = {partitions}
 [postgres]
 url = "{pg}"
-schema = "{base}"
+schema = "{schema}"
 pool_size = 16
 [relay]
 concurrency = {concurrency}
+prune_interval = "{prune}"
 [admin]
 listen = "127.0.0.1:0"
 [[tools]]
@@ -390,11 +476,16 @@ verify = {{ url = "http://{addr}/v1/effects/{{key}}" }}
                 partitions = opts.partitions,
                 pg = postgres_url(),
                 concurrency = opts.concurrency,
+                prune = opts.prune_interval,
+                schema = pg_schema,
             );
             let path = dir.path().join("idem.toml");
             std::fs::write(&path, config).unwrap();
             let config = idem::config::Config::load(&path, |_| None).unwrap();
             idem::db::migrate(&config.postgres).await.unwrap();
+            if opts.prefill > 0 {
+                prefill(&pg, &pg_schema, opts.prefill, opts.payload).await;
+            }
             std::process::Command::new(env!("CARGO_BIN_EXE_idem"))
                 .args(["relay", "--config", path.to_str().unwrap()])
                 .env("IDEM_LOG", "warn")
@@ -477,7 +568,7 @@ verify = {{ url = "http://{addr}/v1/effects/{{key}}" }}
         })
     };
 
-    let (events, distinct) = workload(n, opts.dup, opts.payload);
+    let (events, distinct) = workload(n, opts.dup, opts.payload, &base);
     let producer: FutureProducer = ClientConfig::new()
         .set("bootstrap.servers", brokers())
         // Paced, an action waits at most a millisecond in the producer (an agent sends one

@@ -46,8 +46,8 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
     ),
     (
         7,
-        "0007_console_search",
-        include_str!("../../schemas/postgres/0007_console_search.sql"),
+        "0007_growth",
+        include_str!("../../schemas/postgres/0007_growth.sql"),
     ),
 ];
 

@@ -11,9 +11,13 @@ const PRUNE_TOOL: &str = "
         select i.id from intents i
          where i.tool = $1 and i.status in ('succeeded', 'failed', 'rejected')
            and i.finished_at < now() - make_interval(secs => $2)
+           -- Two halves, each a partial index's predicate (intents_open, intents_parked): as
+           -- one list of four statuses Postgres read every intent for each candidate.
+           and not exists (select 1 from intents j
+                            where j.run_id = i.run_id and j.status in ('pending', 'running'))
            and not exists (select 1 from intents j
                             where j.run_id = i.run_id
-                              and j.status in ('pending', 'running', 'unknown', 'pending_approval'))
+                              and j.status in ('pending_approval', 'unknown'))
          order by i.id
          limit 1000
          for update skip locked
