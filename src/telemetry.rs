@@ -186,16 +186,20 @@ pub struct ActionTrace {
     flags: TraceFlags,
 }
 
-/// A span id derived from what it stands for, so every stage names the same span.
-fn derived_span_id(parts: &[&str]) -> SpanId {
+/// SHA-256 of `parts`, each followed by a zero byte: the source of every derived id.
+fn digest(parts: &[&str]) -> [u8; 32] {
     let mut h = Sha256::new();
     for p in parts {
         h.update(p.as_bytes());
         h.update([0]);
     }
-    let digest = h.finalize();
+    h.finalize().into()
+}
+
+/// A span id derived from what it stands for, so every stage names the same span.
+fn derived_span_id(parts: &[&str]) -> SpanId {
     let mut id = [0u8; 8];
-    id.copy_from_slice(&digest[..8]);
+    id.copy_from_slice(&digest(parts)[..8]);
     if id == [0; 8] {
         id[7] = 1;
     }
@@ -231,12 +235,8 @@ impl ActionTrace {
                 flags,
             },
             None => {
-                let mut h = Sha256::new();
-                h.update(b"idem/trace\0");
-                h.update(key.as_bytes());
-                let digest = h.finalize();
                 let mut id = [0u8; 16];
-                id.copy_from_slice(&digest[..16]);
+                id.copy_from_slice(&digest(&["idem/trace", key])[..16]);
                 Self {
                     key: key.to_string(),
                     trace_id: TraceId::from_bytes(id),
@@ -262,52 +262,17 @@ impl ActionTrace {
         format!("00-{}-{}-{:02x}", self.trace_id, span, self.flags.to_u8())
     }
 
-    /// Exports the action span itself, from `start` to `end`.
-    pub fn emit_action(
-        &self,
-        name: String,
-        start: SystemTime,
-        end: SystemTime,
-        attributes: Vec<KeyValue>,
-        error: Option<String>,
-    ) {
-        self.emit(Span {
-            id: self.action_span(),
-            parent: self.parent,
-            name,
-            kind: SpanKind::Consumer,
-            start,
-            end,
-            attributes,
-            error,
-        });
+    /// Exports the action span itself (its id and parent are the trace's own).
+    pub fn emit_action(&self, span: Span) {
+        self.emit(self.action_span(), self.parent, span);
     }
 
-    /// Exports one child span of the action.
-    #[allow(clippy::too_many_arguments)]
-    pub fn emit_child(
-        &self,
-        id: SpanId,
-        name: String,
-        kind: SpanKind,
-        start: SystemTime,
-        end: SystemTime,
-        attributes: Vec<KeyValue>,
-        error: Option<String>,
-    ) {
-        self.emit(Span {
-            id,
-            parent: Some(self.action_span()),
-            name,
-            kind,
-            start,
-            end,
-            attributes,
-            error,
-        });
+    /// Exports one child span `id` of the action.
+    pub fn emit_child(&self, id: SpanId, span: Span) {
+        self.emit(id, Some(self.action_span()), span);
     }
 
-    fn emit(&self, span: Span) {
+    fn emit(&self, id: SpanId, parent: Option<SpanId>, span: Span) {
         let Some(exporter) = EXPORTER.get() else {
             return;
         };
@@ -320,13 +285,13 @@ impl ActionTrace {
         exporter.processor.on_end(SpanData {
             span_context: SpanContext::new(
                 self.trace_id,
-                span.id,
+                id,
                 self.flags,
                 false,
                 TraceState::default(),
             ),
-            parent_span_id: span.parent.unwrap_or(SpanId::INVALID),
-            parent_span_is_remote: span.parent.is_some() && span.parent == self.parent,
+            parent_span_id: parent.unwrap_or(SpanId::INVALID),
+            parent_span_is_remote: parent.is_some() && parent == self.parent,
             span_kind: span.kind,
             name: span.name.into(),
             start_time: span.start,
@@ -344,15 +309,15 @@ impl ActionTrace {
     }
 }
 
-struct Span {
-    id: SpanId,
-    parent: Option<SpanId>,
-    name: String,
-    kind: SpanKind,
-    start: SystemTime,
-    end: SystemTime,
-    attributes: Vec<KeyValue>,
-    error: Option<String>,
+/// One span as a stage knows it when it ends.
+pub struct Span {
+    pub name: String,
+    pub kind: SpanKind,
+    pub start: SystemTime,
+    pub end: SystemTime,
+    pub attributes: Vec<KeyValue>,
+    /// Set for a span that failed: its status is an error with this description.
+    pub error: Option<String>,
 }
 
 #[cfg(test)]

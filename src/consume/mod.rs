@@ -422,7 +422,7 @@ impl Consume {
 /// Exports a `record` span for each action of a batch just recorded: from the batch's start to
 /// its commit, a child of the action's span.
 fn trace_recorded(items: &[Incoming], started: std::time::SystemTime, group: &str) {
-    use crate::telemetry::{ActionTrace, Attribute, Kind};
+    use crate::telemetry::{ActionTrace, Attribute, Kind, Span};
     let now = std::time::SystemTime::now();
     for item in items {
         let Incoming::Action(a) = item else { continue };
@@ -430,24 +430,26 @@ fn trace_recorded(items: &[Incoming], started: std::time::SystemTime, group: &st
         let trace = ActionTrace::of(&a.key, a.event.traceparent.as_deref());
         trace.emit_child(
             trace.child(&format!("record/{}", a.event.id)),
-            "record".to_string(),
-            Kind::Internal,
-            started,
-            now,
-            vec![
-                Attribute::new("messaging.system", "kafka"),
-                Attribute::new("messaging.destination.name", a.pos.topic.clone()),
-                Attribute::new("messaging.consumer.group.name", group.to_string()),
-                Attribute::new(
-                    "messaging.destination.partition.id",
-                    a.pos.partition.to_string(),
-                ),
-                Attribute::new("messaging.kafka.offset", a.pos.offset),
-                Attribute::new("messaging.message.id", a.event.id.clone()),
-                Attribute::new("idem.tool", a.tool.clone()),
-                Attribute::new("db.system.name", "postgresql"),
-            ],
-            None,
+            Span {
+                name: "record".to_string(),
+                kind: Kind::Internal,
+                start: started,
+                end: now,
+                attributes: vec![
+                    Attribute::new("messaging.system", "kafka"),
+                    Attribute::new("messaging.destination.name", a.pos.topic.clone()),
+                    Attribute::new("messaging.consumer.group.name", group.to_string()),
+                    Attribute::new(
+                        "messaging.destination.partition.id",
+                        a.pos.partition.to_string(),
+                    ),
+                    Attribute::new("messaging.kafka.offset", a.pos.offset),
+                    Attribute::new("messaging.message.id", a.event.id.clone()),
+                    Attribute::new("idem.tool", a.tool.clone()),
+                    Attribute::new("db.system.name", "postgresql"),
+                ],
+                error: None,
+            },
         );
     }
 }

@@ -389,7 +389,7 @@ impl Attempted {
         result: &str,
         error: bool,
     ) {
-        use crate::telemetry::{Attribute, Kind};
+        use crate::telemetry::{Attribute, Kind, Span};
         let Some((trace, id)) = self.trace else {
             return;
         };
@@ -405,12 +405,14 @@ impl Attempted {
         }
         trace.emit_child(
             id,
-            format!("{} {}", self.kind, tool.name),
-            Kind::Client,
-            self.start,
-            std::time::SystemTime::now(),
-            attributes,
-            error.then(|| result.to_string()),
+            Span {
+                name: format!("{} {}", self.kind, tool.name),
+                kind: Kind::Client,
+                start: self.start,
+                end: std::time::SystemTime::now(),
+                attributes,
+                error: error.then(|| result.to_string()),
+            },
         );
     }
 }

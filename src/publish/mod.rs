@@ -220,7 +220,7 @@ impl Publisher {
     /// Exports a `send` span for each published outcome, and the action's own span once its
     /// first outcome that is not a repeat's answer (nor a wait for approval) went out.
     async fn trace_published(&self, rows: &[&OutboxRow], started: std::time::SystemTime) {
-        use crate::telemetry::{ActionTrace, Attribute, Kind};
+        use crate::telemetry::{ActionTrace, Attribute, Kind, Span};
         let keys: Vec<&str> = rows.iter().map(|r| r.key.as_str()).collect();
         let intents = match self.pool.get().await {
             Ok(client) => client.query(TRACED_INTENTS, &[&keys]).await.ok(),
@@ -242,20 +242,22 @@ impl Publisher {
             let status = data["status"].as_str().unwrap_or_default().to_string();
             trace.emit_child(
                 trace.child(&format!("publish/{}", row.event_id)),
-                format!("send {outcomes}"),
-                Kind::Producer,
-                started,
-                now,
-                vec![
-                    Attribute::new("messaging.system", "kafka"),
-                    Attribute::new("messaging.operation.type", "send"),
-                    Attribute::new("messaging.operation.name", "send"),
-                    Attribute::new("messaging.destination.name", outcomes.clone()),
-                    Attribute::new("messaging.message.id", row.event_id.clone()),
-                    Attribute::new("messaging.kafka.message.key", row.key.clone()),
-                    Attribute::new("idem.outcome.status", status.clone()),
-                ],
-                None,
+                Span {
+                    name: format!("send {outcomes}"),
+                    kind: Kind::Producer,
+                    start: started,
+                    end: now,
+                    attributes: vec![
+                        Attribute::new("messaging.system", "kafka"),
+                        Attribute::new("messaging.operation.type", "send"),
+                        Attribute::new("messaging.operation.name", "send"),
+                        Attribute::new("messaging.destination.name", outcomes.clone()),
+                        Attribute::new("messaging.message.id", row.event_id.clone()),
+                        Attribute::new("messaging.kafka.message.key", row.key.clone()),
+                        Attribute::new("idem.outcome.status", status.clone()),
+                    ],
+                    error: None,
+                },
             );
             if data["duplicate"] != true && status != "pending_approval" {
                 let error = matches!(status.as_str(), "failed" | "unknown" | "rejected")
@@ -282,13 +284,14 @@ impl Publisher {
                 }
                 let consumed =
                     crate::telemetry::consumed_at(&row.key).map_or(created, |t| t.min(created));
-                trace.emit_action(
-                    format!("process {}", self.config.kafka.actions_topic),
-                    consumed,
-                    now,
+                trace.emit_action(Span {
+                    name: format!("process {}", self.config.kafka.actions_topic),
+                    kind: Kind::Consumer,
+                    start: consumed,
+                    end: now,
                     attributes,
                     error,
-                );
+                });
             }
         }
     }
