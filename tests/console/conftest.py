@@ -16,7 +16,7 @@ from selenium.webdriver.chrome.service import Service
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "clients" / "python" / "tests"))
 
-from stack import Stack  # noqa: E402
+from stack import stack_fixtures  # noqa: E402
 
 ADMIN_TOKEN = "console-admin-token-0123456789"
 READ_TOKEN = "console-read-token-0123456789"
@@ -42,15 +42,9 @@ retry = {{ max_attempts = 1 }}
 """
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    s = Stack(
-        tmp_path_factory.mktemp("console"),
-        tools=TOOLS,
-        env={"IDEM_ADMIN_TOKEN": ADMIN_TOKEN, "IDEM_ADMIN_READ_TOKEN": READ_TOKEN},
-    )
-    yield s
-    s.close()
+stack, _ = stack_fixtures(
+    TOOLS, {"IDEM_ADMIN_TOKEN": ADMIN_TOKEN, "IDEM_ADMIN_READ_TOKEN": READ_TOKEN}
+)
 
 
 @pytest.fixture

@@ -23,6 +23,24 @@ def ui(stack: Stack, path: str) -> str:
     return f"http://127.0.0.1:{stack.admin_port}{path}"
 
 
+def key_url(stack: Stack, key: str, then: str = "") -> str:
+    return ui(stack, f"/ui/keys/{urllib.parse.quote(key, safe='')}{then}")
+
+
+def post_decision(stack: Stack, key: str, token: str, fields: dict[str, str]) -> tuple[int, str]:
+    """Approves `key` as a script would (a bearer token, no browser): the status and body."""
+    req = urllib.request.Request(
+        key_url(stack, key, "/approve"),
+        data=urllib.parse.urlencode(fields).encode(),
+        headers={"authorization": f"Bearer {token}", "content-type": "application/x-www-form-urlencoded"},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
 def log_in(driver: WebDriver, stack: Stack, token: str, name: str = "") -> None:
     driver.get(ui(stack, "/ui/login"))
     driver.find_element(By.NAME, "token").send_keys(token)
@@ -112,7 +130,7 @@ def test_approve_a_refund_and_resolve_an_unknown_charge(stack: Stack, browser: W
     browser.save_screenshot(str(shots / "key-approved.png"))
 
     # The unknown charge: looked at downstream, resolved as failed.
-    browser.get(ui(stack, f"/ui/keys/{urllib.parse.quote(charge, safe='')}"))
+    browser.get(key_url(stack, charge))
     wait_for_text(browser, "Resolve")
     Select(browser.find_element(By.CSS_SELECTOR, "form.resolve select[name=as]")).select_by_value("failed")
     browser.find_element(By.CSS_SELECTOR, "form.resolve textarea[name=reason]").send_keys("provider shows no charge")
@@ -144,7 +162,7 @@ def test_wrong_tokens_forged_forms_and_readers_are_refused(stack: Stack, browser
     # A form without its CSRF token (removed before posting) changes nothing.
     log_in(browser, stack, ADMIN_TOKEN, "Ana")
     wait_for_text(browser, "Waiting")
-    browser.get(ui(stack, f"/ui/keys/{urllib.parse.quote(refund, safe='')}"))
+    browser.get(key_url(stack, refund))
     wait_for_text(browser, "Decide")
     browser.execute_script("document.querySelector('form.approve input[name=csrf]').remove()")
     browser.find_element(By.CSS_SELECTOR, "form.approve textarea[name=reason]").send_keys("forged")
@@ -158,38 +176,22 @@ def test_wrong_tokens_forged_forms_and_readers_are_refused(stack: Stack, browser
     browser.delete_all_cookies()
     log_in(browser, stack, READ_TOKEN)
     wait_for_text(browser, "read-only token")
-    browser.get(ui(stack, f"/ui/keys/{urllib.parse.quote(refund, safe='')}"))
+    browser.get(key_url(stack, refund))
     wait_for_text(browser, "999")
     assert not browser.find_elements(By.CSS_SELECTOR, "form.approve")
     browser.save_screenshot(str(shots / "reader.png"))
-    form = urllib.parse.urlencode({"reason": "x", "fingerprint": "f"}).encode()
-    req = urllib.request.Request(
-        ui(stack, f"/ui/keys/{urllib.parse.quote(refund, safe='')}/approve"),
-        data=form,
-        headers={"authorization": f"Bearer {READ_TOKEN}", "content-type": "application/x-www-form-urlencoded"},
-    )
-    try:
-        urllib.request.urlopen(req, timeout=10)
-        raise AssertionError("a reader's decision was accepted")
-    except urllib.error.HTTPError as e:
-        assert e.code == 403
+    status, _ = post_decision(stack, refund, READ_TOKEN, {"reason": "x", "fingerprint": "f"})
+    assert status == 403, "a reader's decision was accepted"
     assert status_of(stack, refund) == "pending_approval"
 
 
 def test_a_decision_is_bound_to_the_request_the_page_showed(stack: Stack) -> None:
     run = f"run_{uuid.uuid4().hex[:8]}"
     refund = publish(stack, "refund", run, "order_5", {"order_id": "order_5", "amount": 10})
-    form = urllib.parse.urlencode({"reason": "ok", "fingerprint": "not-the-fingerprint", "by": "Ana"}).encode()
-    req = urllib.request.Request(
-        ui(stack, f"/ui/keys/{urllib.parse.quote(refund, safe='')}/approve"),
-        data=form,
-        headers={"authorization": f"Bearer {ADMIN_TOKEN}", "content-type": "application/x-www-form-urlencoded"},
+    status, body = post_decision(
+        stack, refund, ADMIN_TOKEN, {"reason": "ok", "fingerprint": "not-the-fingerprint", "by": "Ana"}
     )
-    try:
-        urllib.request.urlopen(req, timeout=10)
-        raise AssertionError("a decision on another request was accepted")
-    except urllib.error.HTTPError as e:
-        assert e.code == 409
-        assert "look at it again before deciding" in e.read().decode()
+    assert status == 409, "a decision on another request was accepted"
+    assert "look at it again before deciding" in body
     assert status_of(stack, refund) == "pending_approval"
     assert stack.effects(refund) == 0

@@ -6,13 +6,10 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Iterator
-
-import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "clients" / "python" / "tests"))
 
-from stack import Stack  # noqa: E402
+from stack import stack_fixtures  # noqa: E402
 
 ADMIN_TOKEN = "mcp-test-admin-token-0123456789"
 READ_TOKEN = "mcp-test-read-token-0123456789"
@@ -53,24 +50,6 @@ executor = {{ kind = "http", url = "{downstream}/v1/order_status", timeout = "2s
 """
 
 
-def mcp_stack(tmp: Path) -> Stack:
-    return Stack(
-        tmp,
-        tools=TOOLS,
-        env={"IDEM_ADMIN_TOKEN": ADMIN_TOKEN, "IDEM_ADMIN_READ_TOKEN": READ_TOKEN},
-    )
-
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    s = mcp_stack(tmp_path_factory.mktemp("mcp"))
-    yield s
-    s.close()
-
-
-@pytest.fixture
-def own_stack(tmp_path: Path) -> Iterator[Stack]:
-    """A stack for one test that stops or restarts its relay."""
-    s = mcp_stack(tmp_path)
-    yield s
-    s.close()
+stack, own_stack = stack_fixtures(
+    TOOLS, {"IDEM_ADMIN_TOKEN": ADMIN_TOKEN, "IDEM_ADMIN_READ_TOKEN": READ_TOKEN}
+)

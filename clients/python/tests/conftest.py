@@ -3,28 +3,15 @@
 from __future__ import annotations
 
 import uuid
-from pathlib import Path
 from typing import Iterator
 
 import pytest
 
 from idem_client import Idem
-from stack import Stack
+from stack import Stack, stack_fixtures
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    s = Stack(tmp_path_factory.mktemp("stack"))
-    yield s
-    s.close()
-
-
-@pytest.fixture
-def own_stack(tmp_path: Path) -> Iterator[Stack]:
-    """A stack for one test that stops, kills or restarts its relay."""
-    s = Stack(tmp_path)
-    yield s
-    s.close()
+stack, own_stack = stack_fixtures()
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,8 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+import pytest
+
 from idem_client import Idem
 
 REPO = Path(__file__).resolve().parents[3]
@@ -173,3 +175,22 @@ listen = "127.0.0.1:{self.admin_port}"
             self.relay.wait(30)
         self._fake.kill()
         self._fake.wait(30)
+
+
+def stack_fixtures(tools: str = TOOLS, env: dict[str, str] | None = None) -> tuple[Any, Any]:
+    """The ``stack`` (one per module) and ``own_stack`` (one per test, for a test that stops,
+    kills or restarts its relay) fixtures over ``tools``; a conftest binds them to those names."""
+
+    @pytest.fixture(scope="module")
+    def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+        s = Stack(tmp_path_factory.mktemp("stack"), tools, env)
+        yield s
+        s.close()
+
+    @pytest.fixture
+    def own_stack(tmp_path: Path) -> Iterator[Stack]:
+        s = Stack(tmp_path, tools, env)
+        yield s
+        s.close()
+
+    return stack, own_stack
