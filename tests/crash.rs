@@ -555,6 +555,68 @@ async fn a_relay_paused_past_its_lease_cannot_record_over_the_new_owner() {
     );
 }
 
+/// A claim made at record may wait in the relay's queue. Sent within its lease's margin it needs
+/// no re-check (`sends_unfenced`); a relay paused with a claim queued past its lease must re-check
+/// it and find it taken, not send it a second time after the relay that took it over did.
+#[tokio::test]
+async fn a_queued_claim_paused_past_its_lease_is_not_sent_again() {
+    let env = Env::new().await;
+    let dir = tempfile::tempdir().unwrap();
+    // One call at a time, so one key's claim queues behind the other's call; a 1 s timeout
+    // under the 3 s lease, so a queued claim may be sent unfenced for its first 1.25 s.
+    let tools = email_tool(true) + "concurrency = 1\n";
+    let config = common::config_file(&env, dir.path(), &tools, "").await;
+    let keys = ["r10:send_email:b1", "r10:send_email:b2"];
+    for key in keys {
+        env.downstream
+            .script(Some(key), vec![Step::Delay { delay_ms: 800 }]);
+    }
+    let outcomes = env.outcomes().await;
+    let paused = Child::spawn(&config, None, dir.path().join("paused.log"));
+    let pg = env.pg().await;
+    let p = env.producer();
+    p.send(&action("e-b1", email("r10", "b1"))).await;
+    p.send(&action("e-b2", email("r10", "b2"))).await;
+    common::eventually(
+        "both recorded claimed, one call at the downstream and the other queued",
+        Duration::from_secs(30),
+        || async {
+            let claimed: i64 = pg
+                .query_one("select count(*) from intents where status = 'running'", &[])
+                .await
+                .unwrap()
+                .get(0);
+            claimed == 2 && env.downstream.requests() == 1
+        },
+    )
+    .await;
+    paused.signal("-STOP");
+    // Another relay takes both keys over once the lease lapses: it verifies the one called and
+    // calls the queued one.
+    let other = Child::spawn(&config, None, dir.path().join("other.log"));
+    outcomes.answer("e-b1", "succeeded").await;
+    outcomes.answer("e-b2", "succeeded").await;
+    for key in keys {
+        assert_eq!(env.downstream.effects(key), 1, "{key}");
+    }
+    paused.signal("-CONT");
+    // The late result is refused at its finish, and the queued claim at its re-check.
+    common::eventually(
+        "the paused relay to find both claims lost",
+        Duration::from_secs(30),
+        || async { paused.log_text().matches("lease lost").count() >= 2 },
+    )
+    .await;
+    drop(other);
+    for key in keys {
+        assert_eq!(
+            env.downstream.effects(key),
+            1,
+            "{key}: a claim was sent again after it was taken over"
+        );
+    }
+}
+
 /// Issue 12: a relay killed while it verified an ambiguous call sent the effect again. The call
 /// ended `ambiguous` and a verification was opened; recovery found no open *call*, released the
 /// key without verify, and the next claim called again. Now the attempt log decides: the next

@@ -265,11 +265,13 @@ impl Consume {
         items: &[Incoming],
         channel: &str,
     ) -> Result<crate::intent::BatchResult, DbError> {
+        let since = std::time::Instant::now();
         let mut client = self.pool.get().await?;
         let tx = client.transaction().await?;
         let claimant = crate::intent::Claimant {
             owner: &self.config.relay.instance_id,
             lease_secs: self.config.relay.lease.as_secs_f64(),
+            since,
         };
         let r = crate::intent::record_batch(&tx, items, channel, claimant).await?;
         tx.commit().await?;

@@ -8,7 +8,7 @@ use crate::execute::http::{self, Attempt, Verified};
 use crate::outcome::OutcomeStatus;
 use crate::outcome::Settled;
 
-use crate::execute::claim::{AttemptEnd, Claimed, FRESH_CLAIM};
+use crate::execute::claim::{sends_unfenced, AttemptEnd, Claimed, FRESH_CLAIM};
 
 use super::*;
 
@@ -233,11 +233,14 @@ impl Executor {
                 end,
             ));
         }
-        if run.waited && run.calls == 0 && run.seq == c.seq && c.claimed_at.elapsed() > FRESH_CLAIM
+        if run.waited
+            && run.calls == 0
+            && run.seq == c.seq
+            && !sends_unfenced(c.claimed_at.elapsed(), self.lease, exec.timeout)
         {
-            // Claimed when recorded, then queued: the claim must still be ours. (The monotonic
-            // clock runs while the process is stopped, so a relay paused past its lease is
-            // fenced here.)
+            // Claimed when recorded, then queued for long: the claim must still be ours. (The
+            // monotonic clock runs while the process is stopped, so a relay paused past its
+            // lease is fenced here.)
             self.fence(c).await?;
         }
         run.calls += 1;

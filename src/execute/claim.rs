@@ -35,7 +35,9 @@ pub struct Claimed {
     pub reason: String,
     /// The attempt row the claim opened (a call, or a verification when `needs_verify`).
     pub seq: i32,
-    /// When this relay made the claim (taken before its commit, so never late).
+    /// When this relay made the claim: for a claim made at record, read before the recording
+    /// transaction began (Postgres dates the lease from that transaction's start), so the age
+    /// it gives is never short.
     pub claimed_at: std::time::Instant,
 }
 
@@ -44,6 +46,21 @@ pub struct Claimed {
 /// claim's time) precedes the send by at most this much. Recovery adds it to a call's timeout
 /// before concluding that a call with that start can no longer be in flight.
 pub const FRESH_CLAIM: Duration = Duration::from_millis(100);
+
+/// Whether a claim made when its intent was recorded, `age` ago by this relay's monotonic clock
+/// (read before the recording transaction began, so never short), may make its first call
+/// without re-checking its lease in Postgres. Either of two arguments holds it:
+/// - `age` is at most [`FRESH_CLAIM`]: recovery's deadline for that call already allows for it;
+/// - the call ends, sent now and timing out at `timeout`, a quarter of the lease before the
+///   lease taken at the claim can run out. No other relay takes a key over before its lease
+///   runs out, so nobody can verify or call it while this call may be in flight, and a
+///   takeover finds that call's deadline long past. (The quarter covers clocks that run at
+///   slightly different rates and the moments between this check and the send.)
+///
+/// A claim that waited longer (a busy tool, a relay paused with claims queued) is fenced.
+pub fn sends_unfenced(age: Duration, lease: Duration, timeout: Duration) -> bool {
+    age <= FRESH_CLAIM || age + timeout + lease / 4 <= lease
+}
 
 impl Claimed {
     /// A row of CLAIM_MANY.
@@ -101,10 +118,17 @@ const BEGIN_ATTEMPT: &str = "
     returning seq";
 
 // Never over an end already written: recovery may have closed it `abandoned` meanwhile, and
-// what it read then is what the history says.
+// what it read then is what the history says. A claim made at record opened its attempt then,
+// and may have waited in the queue before sending (see `sends_unfenced`): the start becomes the
+// send's time, as the measured latency dates it (only ever later, which makes a later
+// recovery's wait for that call's deadline longer, never shorter).
 const END_ATTEMPT: &str = "
     update attempts set ended_at = now(), classification = $3, http_status = $4, error = $5,
-                        latency_ms = $6
+                        latency_ms = $6::float8,
+                        started_at = case when $6::float8 > 0
+                            then greatest(started_at,
+                                          now() - make_interval(secs => $6::float8 / 1000))
+                            else started_at end
      where intent_id = $1 and seq = $2 and ended_at is null";
 
 /// Opens the next attempt row; `None` when the claim was lost.
@@ -278,4 +302,32 @@ pub async fn fence_many(
         .iter()
         .map(|r| r.get(0))
         .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const S: fn(u64) -> Duration = Duration::from_secs;
+
+    #[test]
+    fn a_fresh_claim_is_sent_unfenced_whatever_its_lease() {
+        assert!(sends_unfenced(FRESH_CLAIM, S(3), S(30)));
+        assert!(!sends_unfenced(
+            FRESH_CLAIM + Duration::from_millis(1),
+            S(3),
+            S(30)
+        ));
+    }
+
+    #[test]
+    fn a_queued_claim_is_sent_unfenced_while_its_call_ends_well_inside_the_lease() {
+        // 30 s lease, 10 s timeout: the call must end 7.5 s before the lease does.
+        assert!(sends_unfenced(Duration::from_millis(12_500), S(30), S(10)));
+        assert!(!sends_unfenced(Duration::from_millis(12_501), S(30), S(10)));
+        // A relay paused past its lease is always fenced.
+        assert!(!sends_unfenced(S(31), S(30), S(1)));
+        // A timeout as long as the lease leaves only the fresh-claim allowance.
+        assert!(!sends_unfenced(Duration::from_millis(200), S(30), S(30)));
+    }
 }

@@ -84,7 +84,7 @@ impl KeyedAction {
     }
 
     /// The claim [`record_batch`] makes when it records this action claimed.
-    fn claimed(&self, id: i64) -> Claimed {
+    fn claimed(&self, id: i64, since: std::time::Instant) -> Claimed {
         let d = &self.event.data;
         Claimed {
             id,
@@ -102,7 +102,7 @@ impl KeyedAction {
             since_call: None,
             reason: "first".into(),
             seq: 1,
-            claimed_at: std::time::Instant::now(),
+            claimed_at: since,
         }
     }
 
@@ -146,6 +146,9 @@ impl KeyedAction {
 pub struct Claimant<'a> {
     pub owner: &'a str,
     pub lease_secs: f64,
+    /// Read before the recording transaction began: Postgres dates each lease from that
+    /// transaction's start, so a claim's age counted from here is never short.
+    pub since: std::time::Instant,
 }
 
 /// What a batch transaction decided, for the consumer to act on after commit.

@@ -503,7 +503,7 @@ async fn record_new<'a>(
                 a.event.traceparent.clone(),
             ));
         } else if a.claimed_at_record() {
-            rec.result.claimed.push(a.claimed(id));
+            rec.result.claimed.push(a.claimed(id, claimant.since));
         } else {
             rec.result.new_intents.push((id, a.tool.clone()));
         }

@@ -208,7 +208,11 @@ const FINISH_MANY: &str = "
     ), e as (
         update attempts a
            set ended_at = now(), classification = u.classification, http_status = u.http_status,
-               error = u.error, latency_ms = u.latency_ms
+               error = u.error, latency_ms = u.latency_ms,
+               -- The send's time (see END_ATTEMPT): a claim made at record may have queued.
+               started_at = case when u.latency_ms > 0
+                   then greatest(a.started_at, now() - make_interval(secs => u.latency_ms / 1000))
+                   else a.started_at end
           from unnest($8::int8[], $9::int4[], $10::text[], $11::int4[], $12::text[], $13::float8[])
                as u(intent_id, seq, classification, http_status, error, latency_ms)
          where a.intent_id = u.intent_id and a.seq = u.seq
