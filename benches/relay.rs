@@ -6,7 +6,9 @@
 //! [--modes idem,naive,dbos,restate] [--prefill N]`
 //!
 //! `--prefill N` writes N finished keys into idem's tables before the run (growth);
-//! `--prune-interval 1s` has the relay prune them (they are past retention) during the run.
+//! `--prune-interval 1s` has the relay prune them (they are past retention) during the run,
+//! paced to `--prune-share` (idem's `relay.prune_share`, default 0.1); the run then reports how
+//! many were pruned while it lasted.
 //! `IDEM_BENCH_SCHEMA=name` keeps idem's tables in that schema across runs (fill once, measure
 //! several ways).
 //!
@@ -58,6 +60,8 @@ struct Opts {
     /// idem's `relay.prune_interval`: `1s` prunes the prefilled keys (30 days old, past the
     /// 7-day retention) while the run goes on.
     prune_interval: String,
+    /// idem's `relay.prune_share`.
+    prune_share: f64,
     full: bool,
 }
 
@@ -83,6 +87,7 @@ fn parse() -> Opts {
         rate: num("--rate", 0),
         prefill: num("--prefill", 0),
         prune_interval: get("--prune-interval").unwrap_or_else(|| "10m".into()),
+        prune_share: get("--prune-share").map_or(0.1, |v| v.parse().expect("a share")),
         modes: get("--modes").map_or_else(
             || vec!["idem".into(), "naive".into()],
             |m| m.split(',').map(str::to_string).collect(),
@@ -280,6 +285,17 @@ fn proc_stats(pid: u32) -> (f64, f64) {
     (cpu, hwm_kib / 1024.0)
 }
 
+/// The prefilled keys (`--prefill`) still in idem's tables.
+async fn count_old_keys(pg: &tokio_postgres::Client, schema: &str) -> i64 {
+    pg.query_one(
+        &format!("select count(*) from {schema}.intents where idempotency_key like 'old-%'"),
+        &[],
+    )
+    .await
+    .expect("count the prefilled keys")
+    .get(0)
+}
+
 /// Writes `n` finished keys (with their delivery, attempt and published outcome, sized like
 /// the workload's) into `schema`, as months of traffic would have left them, then prints each
 /// table's size with its indexes, per million keys.
@@ -444,6 +460,7 @@ async fn run_mode(mode: &str, n: usize, opts: &Opts) -> Report {
         .unwrap();
     tokio::spawn(conn);
     let dir = tempfile::tempdir().unwrap();
+    let mut old_keys = None;
     let mut child = match mode {
         "idem" => {
             let config = format!(
@@ -462,6 +479,7 @@ pool_size = 16
 [relay]
 concurrency = {concurrency}
 prune_interval = "{prune}"
+prune_share = {prune_share}
 [admin]
 listen = "127.0.0.1:0"
 [[tools]]
@@ -477,6 +495,7 @@ verify = {{ url = "http://{addr}/v1/effects/{{key}}" }}
                 pg = postgres_url(),
                 concurrency = opts.concurrency,
                 prune = opts.prune_interval,
+                prune_share = opts.prune_share,
                 schema = pg_schema,
             );
             let path = dir.path().join("idem.toml");
@@ -486,6 +505,7 @@ verify = {{ url = "http://{addr}/v1/effects/{{key}}" }}
             if opts.prefill > 0 {
                 prefill(&pg, &pg_schema, opts.prefill, opts.payload).await;
             }
+            old_keys = Some(count_old_keys(&pg, &pg_schema).await);
             std::process::Command::new(env!("CARGO_BIN_EXE_idem"))
                 .args(["relay", "--config", path.to_str().unwrap()])
                 .env("IDEM_LOG", "warn")
@@ -678,6 +698,15 @@ verify = {{ url = "http://{addr}/v1/effects/{{key}}" }}
         pct(0.5),
         pct(0.99)
     );
+    if let Some(before) = old_keys {
+        let after = count_old_keys(&pg, &pg_schema).await;
+        if before > 0 {
+            eprintln!(
+                "{mode}: {} of {before} prefilled keys pruned during the run ({after} left)",
+                before - after
+            );
+        }
+    }
     let _ = std::process::Command::new("kill")
         .args(["-TERM", &child.id().to_string()])
         .status();

@@ -379,14 +379,15 @@ fn warn_about_gates(config: &Config) {
     }
 }
 
-/// Prunes expired keys every `prune_interval`, in every relay (rows are locked SKIP LOCKED).
+/// Prunes expired keys every `prune_interval`, in every relay (rows are locked SKIP LOCKED),
+/// paced to `prune_share` of the time.
 async fn prune_loop(pool: Pool, config: Arc<Config>, shutdown: CancellationToken) {
     loop {
         tokio::select! {
             _ = shutdown.cancelled() => return,
             _ = tokio::time::sleep(config.relay.prune_interval) => {}
         }
-        match crate::gates::prune(&pool, &config).await {
+        match crate::gates::prune(&pool, &config, &shutdown).await {
             Ok(0) => {}
             Ok(n) => tracing::info!(pruned = n, "expired keys pruned; tombstones kept"),
             Err(e) => tracing::warn!(error = %e, "prune failed"),

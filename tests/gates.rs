@@ -317,7 +317,9 @@ async fn a_pruned_key_resumed_is_stale_and_parked_keys_are_never_pruned() {
     // its run paused.
     pg.execute("update intents set finished_at = now() - interval '8 days', created_at = now() - interval '8 days' where status <> 'pending_approval'", &[]).await.unwrap();
     let pool = pool(&env).await;
-    let pruned = idem::gates::prune(&pool, &config).await.unwrap();
+    let pruned = idem::gates::prune(&pool, &config, &Default::default())
+        .await
+        .unwrap();
     assert_eq!(
         pruned, 1,
         "only the finished key of a run that waits on nothing"
@@ -691,4 +693,49 @@ async fn an_approval_amount_must_be_a_finite_number_and_equal_amounts_are_one() 
     assert_eq!(again["data"]["duplicate"], true, "{again}");
     assert_eq!(env.downstream.total_effects(), 1);
     relay.stop().await;
+}
+
+/// A backlog larger than one batch is worked off batch after batch (paced), each pruned key
+/// leaving a tombstone; a stop ends the work between two batches, losing nothing.
+#[tokio::test]
+async fn a_prune_backlog_goes_in_paced_batches_and_stops_between_them() {
+    let env = Env::new().await;
+    let config = env.config(LIMITED, "").await;
+    let pg = env.pg().await;
+    pg.batch_execute(
+        "insert into intents (idempotency_key, tool, class, run_id, args, material, fingerprint,
+                              args_hash, action_event_id, source_topic, source_partition,
+                              source_offset, status, status_seq, created_at, updated_at,
+                              finished_at)
+         select 'old-' || g || ':send_sms:hi', 'send_sms', 'dangerous', 'old-' || g, '{}', '{}',
+                md5('f' || g), md5('a' || g), 'old-evt-' || g, 'old.actions', 0, g,
+                'succeeded', 1, now() - interval '9 days', now() - interval '9 days',
+                now() - interval '9 days'
+           from generate_series(1, 600) g",
+    )
+    .await
+    .unwrap();
+    let pool = pool(&env).await;
+    let count = |table: &'static str| {
+        let pg = &pg;
+        async move {
+            pg.query_one(&format!("select count(*) from {table}"), &[])
+                .await
+                .unwrap()
+                .get::<_, i64>(0)
+        }
+    };
+    // Stopped: the batch under way finishes, the next one never starts.
+    let stopped = tokio_util::sync::CancellationToken::new();
+    stopped.cancel();
+    let first = idem::gates::prune(&pool, &config, &stopped).await.unwrap();
+    assert_eq!(first, 250, "one batch");
+    assert_eq!(count("intents").await, 350);
+    // The rest, over two more batches with a pause after each full one.
+    let rest = idem::gates::prune(&pool, &config, &Default::default())
+        .await
+        .unwrap();
+    assert_eq!(rest, 350);
+    assert_eq!(count("intents").await, 0);
+    assert_eq!(count("tombstones").await, 600, "one tombstone per key");
 }

@@ -255,7 +255,14 @@ pub async fn run(command: Command) -> anyhow::Result<()> {
         Command::Prune { config } => {
             let config = load(&config)?;
             let pool = idem::db::pool(&config.postgres)?;
-            let n = idem::gates::prune(&pool, &config).await?;
+            // Paced like a relay's pruning (`relay.prune_share`); Ctrl-C stops it between batches.
+            let stop = CancellationToken::new();
+            let signal = stop.clone();
+            tokio::spawn(async move {
+                wait_for_signal().await;
+                signal.cancel();
+            });
+            let n = idem::gates::prune(&pool, &config, &stop).await?;
             println!("pruned {n} expired keys (tombstones kept)");
         }
         Command::FakeDownstream { listen, honor_key } => {

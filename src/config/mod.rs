@@ -197,6 +197,8 @@ executor = { kind = "http", url = "http://127.0.0.1:8787/v1/send_email" }
         let cases = [
             ("[relay]\nconcurrency = 0\n", "relay.concurrency"),
             ("[relay]\nbatch_linger = \"soon\"\n", "relay.batch_linger"),
+            ("[relay]\nprune_share = 0.0\n", "relay.prune_share"),
+            ("[relay]\nprune_share = 1.5\n", "relay.prune_share"),
             ("[kafka]\npartitions = 0\n", "kafka.partitions"),
             (
                 "[kafka]\nreplication_factor = 0\n",

@@ -88,6 +88,7 @@ pub(super) struct RawRelay {
     pub(super) max_per_run: Option<u32>,
     pub(super) prune_interval: String,
     pub(super) tombstone_retention: String,
+    pub(super) prune_share: f64,
 }
 
 impl Default for RawRelay {
@@ -105,6 +106,7 @@ impl Default for RawRelay {
             max_per_run: None,
             prune_interval: "10m".into(),
             tombstone_retention: "90d".into(),
+            prune_share: 0.1,
         }
     }
 }

@@ -74,6 +74,9 @@ pub struct RelayConfig {
     pub prune_interval: Duration,
     /// How long a pruned key's tombstone keeps a resumed run from executing it again.
     pub tombstone_retention: Duration,
+    /// The share of its time a relay's pruning may keep a Postgres connection busy: after each
+    /// batch it pauses until the batch's time is this share of the time gone by.
+    pub prune_share: f64,
 }
 
 #[derive(Debug, Clone)]

@@ -179,7 +179,14 @@ impl Config {
             max_per_run: r.max_per_run,
             prune_interval: duration("relay.prune_interval", &r.prune_interval)?,
             tombstone_retention: duration("relay.tombstone_retention", &r.tombstone_retention)?,
+            prune_share: r.prune_share,
         };
+        if !(relay.prune_share > 0.0 && relay.prune_share <= 1.0) {
+            return Err(invalid(
+                "relay.prune_share",
+                "must be more than 0 and at most 1 (1 prunes batch after batch without a pause)",
+            ));
+        }
         if relay.max_per_run == Some(0) {
             return Err(invalid("relay.max_per_run", "must be at least 1"));
         }
