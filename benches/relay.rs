@@ -221,10 +221,7 @@ fn workload(n: usize, dup: f64, payload: usize, tag: &str) -> (Vec<(String, Valu
 }
 
 async fn create_topics(names: &[&str], partitions: i32) {
-    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
-        .set("bootstrap.servers", brokers())
-        .create()
-        .unwrap();
+    let admin: AdminClient<DefaultClientContext> = bench_client().create().unwrap();
     let topics: Vec<NewTopic<'_>> = names
         .iter()
         .map(|t| NewTopic::new(t, partitions, TopicReplication::Fixed(1)))
@@ -283,6 +280,66 @@ fn proc_stats(pid: u32) -> (f64, f64) {
         .and_then(|v| v.parse::<f64>().ok())
         .unwrap_or(0.0);
     (cpu, hwm_kib / 1024.0)
+}
+
+/// librdkafka properties from `IDEM_BENCH_KAFKA` (`name=value,name=value`), set on the
+/// benchmark's own clients and in idem's `kafka.client`, to measure a client setting.
+fn kafka_extra() -> Vec<(String, String)> {
+    std::env::var("IDEM_BENCH_KAFKA")
+        .unwrap_or_default()
+        .split(',')
+        .filter_map(|kv| kv.split_once('='))
+        .map(|(k, v)| (k.trim().to_string(), v.trim().to_string()))
+        .collect()
+}
+
+/// A client config for the benchmark's own clients.
+fn bench_client() -> ClientConfig {
+    let mut c = ClientConfig::new();
+    c.set("bootstrap.servers", brokers());
+    for (k, v) in kafka_extra() {
+        c.set(k, v);
+    }
+    c
+}
+
+/// Where an action's time goes inside idem, from its own tables (p50 / p99 over this run's
+/// first deliveries): send → the recording transaction begins (Kafka in, the consumer's poll);
+/// → the finish begins (the record's commit, the dispatch, the call, the wait for the finish's
+/// group), with the call itself; the finish → the outcome acknowledged by Kafka and marked.
+async fn stages(pg: &tokio_postgres::Client, schema: &str, tag: &str) {
+    let query = format!(
+        "with s as (
+           select extract(epoch from i.created_at - i.event_time) * 1000 as to_record,
+                  extract(epoch from i.finished_at - i.created_at) * 1000 as to_finish,
+                  a.latency_ms as call,
+                  extract(epoch from o.published_at - i.finished_at) * 1000 as to_published
+             from {schema}.intents i
+             join {schema}.attempts a on a.intent_id = i.id and a.seq = 1
+             join {schema}.outbox o on o.kafka_key = i.idempotency_key
+                                   and o.payload->'data'->>'action_event_id' = i.action_event_id
+            where i.run_id like $1 and i.event_time is not null)
+         select percentile_cont(array[0.5, 0.99]) within group (order by to_record),
+                percentile_cont(array[0.5, 0.99]) within group (order by to_finish),
+                percentile_cont(array[0.5, 0.99]) within group (order by call),
+                percentile_cont(array[0.5, 0.99]) within group (order by to_published)
+           from s"
+    );
+    let row = match pg.query_one(&query, &[&format!("{tag}-%")]).await {
+        Ok(row) => row,
+        Err(e) => return eprintln!("idem: stages not read: {e}"),
+    };
+    let p = |i: usize| -> String {
+        let v: Option<Vec<f64>> = row.get(i);
+        v.map_or("-".into(), |v| format!("{:.1} / {:.1}", v[0], v[1]))
+    };
+    eprintln!(
+        "idem: stages p50 / p99 ms: send → record begins {}; → finish begins {} (the call {}); → outcome acknowledged {}",
+        p(0),
+        p(1),
+        p(2),
+        p(3)
+    );
 }
 
 /// The prefilled keys (`--prefill`) still in idem's tables.
@@ -472,6 +529,8 @@ actions_topic = "{actions}"
 outcomes_topic = "{outcomes}"
 dlq_topic = "{dlq}"
 partitions = {partitions}
+[kafka.client]
+{kafka_extra}
 [postgres]
 url = "{pg}"
 schema = "{schema}"
@@ -496,6 +555,10 @@ verify = {{ url = "http://{addr}/v1/effects/{{key}}" }}
                 concurrency = opts.concurrency,
                 prune = opts.prune_interval,
                 prune_share = opts.prune_share,
+                kafka_extra = kafka_extra()
+                    .iter()
+                    .map(|(k, v)| format!("\"{k}\" = \"{v}\"\n"))
+                    .collect::<String>(),
                 schema = pg_schema,
             );
             let path = dir.path().join("idem.toml");
@@ -560,8 +623,7 @@ verify = {{ url = "http://{addr}/v1/effects/{{key}}" }}
     // Action event id → when the collector saw its first outcome, and that outcome's Kafka
     // timestamp (when the relay handed it to its producer).
     let answered: Arc<Mutex<HashMap<String, (Instant, i64)>>> = Arc::default();
-    let consumer: StreamConsumer = ClientConfig::new()
-        .set("bootstrap.servers", brokers())
+    let consumer: StreamConsumer = bench_client()
         .set("group.id", format!("{base}.collector"))
         .set("auto.offset.reset", "earliest")
         .set("enable.auto.commit", "false")
@@ -589,8 +651,7 @@ verify = {{ url = "http://{addr}/v1/effects/{{key}}" }}
     };
 
     let (events, distinct) = workload(n, opts.dup, opts.payload, &base);
-    let producer: FutureProducer = ClientConfig::new()
-        .set("bootstrap.servers", brokers())
+    let producer: FutureProducer = bench_client()
         // Paced, an action waits at most a millisecond in the producer (an agent sends one
         // call at a time); flat out, the producer batches.
         .set("linger.ms", if opts.rate > 0 { "1" } else { "5" })
@@ -618,7 +679,11 @@ verify = {{ url = "http://{addr}/v1/effects/{{key}}" }}
             .iter()
             .map(|(id, e)| {
                 published.insert(id.clone(), (Instant::now(), unix_ms()));
-                let payload = serde_json::to_vec(e).unwrap();
+                // The CloudEvents time of the send, so idem's tables date each stage from it.
+                let mut e = e.clone();
+                e["time"] =
+                    json!(chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Micros, true));
+                let payload = serde_json::to_vec(&e).unwrap();
                 let key = e["data"]["run_id"].as_str().unwrap().to_string();
                 let producer = producer.clone();
                 let topic = actions.clone();
@@ -698,6 +763,9 @@ verify = {{ url = "http://{addr}/v1/effects/{{key}}" }}
         pct(0.5),
         pct(0.99)
     );
+    if mode == "idem" {
+        stages(&pg, &pg_schema, &base).await;
+    }
     if let Some(before) = old_keys {
         let after = count_old_keys(&pg, &pg_schema).await;
         if before > 0 {
