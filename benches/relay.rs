@@ -785,6 +785,15 @@ verify = {{ url = "http://{addr}/v1/effects/{{key}}" }}
     let _ = child.wait();
     stop.cancel();
     let _ = collector.await;
+    // A run's own schema goes with it; one named by IDEM_BENCH_SCHEMA stays for the next run.
+    if std::env::var("IDEM_BENCH_SCHEMA").is_err() {
+        if let Err(e) = pg
+            .batch_execute(&format!("drop schema if exists {base} cascade"))
+            .await
+        {
+            eprintln!("{mode}: schema {base} left behind: {e}");
+        }
+    }
     Report {
         mode: mode.to_string(),
         actions: n,
