@@ -563,7 +563,7 @@ async fn a_queued_claim_paused_past_its_lease_is_not_sent_again() {
     let env = Env::new().await;
     let dir = tempfile::tempdir().unwrap();
     // One call at a time, so one key's claim queues behind the other's call; a 1 s timeout
-    // under the 3 s lease, so a queued claim may be sent unfenced for its first 1.25 s.
+    // under the 3 s lease, so a queued claim may be sent unfenced for its first 0.5 s.
     let tools = email_tool(true) + "concurrency = 1\n";
     let config = common::config_file(&env, dir.path(), &tools, "").await;
     let keys = ["r10:send_email:b1", "r10:send_email:b2"];

@@ -51,15 +51,17 @@ pub const FRESH_CLAIM: Duration = Duration::from_millis(100);
 /// (read before the recording transaction began, so never short), may make its first call
 /// without re-checking its lease in Postgres. Either of two arguments holds it:
 /// - `age` is at most [`FRESH_CLAIM`]: recovery's deadline for that call already allows for it;
-/// - the call ends, sent now and timing out at `timeout`, a quarter of the lease before the
-///   lease taken at the claim can run out. No other relay takes a key over before its lease
-///   runs out, so nobody can verify or call it while this call may be in flight, and a
-///   takeover finds that call's deadline long past. (The quarter covers clocks that run at
-///   slightly different rates and the moments between this check and the send.)
+/// - the call ends, sent now and timing out at `timeout`, within the first half of the lease
+///   taken at the claim. No other relay takes a key over before its lease runs out, so nobody
+///   can verify or call it while this call may be in flight, and a takeover finds that call's
+///   deadline long past. The other half is the slack for what this check cannot see: clocks
+///   that run at slightly different rates, and a pause of the process between this check and
+///   the send (the fence statement leaves a paused relay a similar slack: the lease it renews,
+///   less the call's timeout).
 ///
 /// A claim that waited longer (a busy tool, a relay paused with claims queued) is fenced.
 pub fn sends_unfenced(age: Duration, lease: Duration, timeout: Duration) -> bool {
-    age <= FRESH_CLAIM || age + timeout + lease / 4 <= lease
+    age <= FRESH_CLAIM || age + timeout <= lease / 2
 }
 
 impl Claimed {
@@ -322,9 +324,9 @@ mod tests {
 
     #[test]
     fn a_queued_claim_is_sent_unfenced_while_its_call_ends_well_inside_the_lease() {
-        // 30 s lease, 10 s timeout: the call must end 7.5 s before the lease does.
-        assert!(sends_unfenced(Duration::from_millis(12_500), S(30), S(10)));
-        assert!(!sends_unfenced(Duration::from_millis(12_501), S(30), S(10)));
+        // 30 s lease, 10 s timeout: the call must end within the lease's first 15 s.
+        assert!(sends_unfenced(Duration::from_millis(5_000), S(30), S(10)));
+        assert!(!sends_unfenced(Duration::from_millis(5_001), S(30), S(10)));
         // A relay paused past its lease is always fenced.
         assert!(!sends_unfenced(S(31), S(30), S(1)));
         // A timeout as long as the lease leaves only the fresh-claim allowance.
