@@ -572,7 +572,10 @@ verify = {{ url = "http://{addr}/v1/effects/{{key}}" }}
             if opts.prune_interval.is_some() {
                 old_keys = Some(count_old_keys(&pg, &pg_schema).await);
             }
-            std::process::Command::new(env!("CARGO_BIN_EXE_idem"))
+            // IDEM_BENCH_BIN runs another build of the relay (an A/B of two commits).
+            let bin = std::env::var("IDEM_BENCH_BIN")
+                .unwrap_or_else(|_| env!("CARGO_BIN_EXE_idem").to_string());
+            std::process::Command::new(bin)
                 .args(["relay", "--config", path.to_str().unwrap()])
                 .env("IDEM_LOG", "warn")
                 .spawn()

@@ -295,6 +295,88 @@ async fn redelivery_after_a_crash_before_the_offset_commit_executes_once() {
     );
 }
 
+/// A repeat of a settled key is answered straight to Kafka, and its offset waits for the
+/// acknowledgement. A relay killed after recording the repeat but before sending its answer
+/// leaves the record unacknowledged: the next relay reads it again and answers it, under the
+/// same event id, and nothing runs twice.
+#[tokio::test]
+async fn a_crash_before_a_direct_answer_is_sent_answers_it_after_the_restart() {
+    let env = Env::new().await;
+    let dir = tempfile::tempdir().unwrap();
+    let config = common::config_file(&env, dir.path(), &email_tool(true), "").await;
+    let outcomes = env.outcomes().await;
+    let mut relay = Child::spawn(
+        &config,
+        Some("before-direct-answers=return"),
+        dir.path().join("1.log"),
+    );
+    let p = env.producer();
+    p.send(&action("direct-1", email("r9", "b1"))).await;
+    outcomes.answer("direct-1", "succeeded").await;
+    // The repeat is answered directly only once the first outcome is marked published.
+    let pg = env.pg().await;
+    common::eventually(
+        "the first outcome marked published",
+        Duration::from_secs(20),
+        || async {
+            let row = pg
+                .query_one(
+                    "select count(*) from outbox where published_at is null",
+                    &[],
+                )
+                .await
+                .unwrap();
+            row.get::<_, i64>(0) == 0
+        },
+    )
+    .await;
+    p.send(&action("direct-2", email("r9", "b1"))).await;
+    relay.exited(Duration::from_secs(60)).await;
+    let recorded: Option<String> = pg
+        .query_one(
+            "select direct_status from deliveries where action_event_id = 'direct-2'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(
+        recorded.as_deref(),
+        Some("succeeded"),
+        "the repeat was recorded before the crash"
+    );
+
+    let _relay = Child::spawn(&config, None, dir.path().join("2.log"));
+    let dup = outcomes.answer("direct-2", "succeeded").await;
+    assert_eq!(dup["data"]["duplicate"], true);
+    common::eventually(
+        "the re-read record logged as a redelivery",
+        Duration::from_secs(30),
+        || async {
+            let e = common::explain(&env, "r9:send_email:b1").await;
+            // (The first action's record may be read again too, if its offset was stored but
+            // not yet committed when the relay died.)
+            let origins: Vec<String> = e["deliveries"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|d| d["action_event_id"] == "direct-2")
+                .map(|d| d["origin"].as_str().unwrap().to_string())
+                .collect();
+            origins == ["replay", "redelivery"]
+        },
+    )
+    .await;
+    assert_eq!(env.downstream.total_effects(), 1);
+    assert_eq!(outcomes.answers("direct-1").len(), 1);
+    let ids: HashSet<String> = outcomes
+        .answers("direct-2")
+        .iter()
+        .map(|o| o["id"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(ids.len(), 1, "every answer to the repeat carries one id");
+}
+
 /// Intents are claimed in the transaction that records them. A relay stopped while some wait
 /// for a free slot gives those claims back (their calls certainly did not start), so the next
 /// relay calls each once, with no verification and no wait for a lease to lapse.

@@ -118,6 +118,99 @@ async fn the_same_event_twice_and_a_replay_execute_once() {
     relay.stop().await;
 }
 
+/// A repeat of a key whose outcome is published is answered straight to Kafka: no outbox row is
+/// written or rewritten for it, its delivery says so, and `explain` lists the answer under the
+/// id the consumer received.
+#[tokio::test]
+async fn a_repeat_of_a_published_outcome_is_answered_without_an_outbox_row() {
+    let env = Env::new().await;
+    let outcomes = env.outcomes().await;
+    let relay = env.start(env.config(EMAIL, "").await).await;
+    let p = env.producer();
+    let key = "run_d:send_email:order_d";
+    p.send(&action("evt-d1", email("run_d", "order_d", "Hi")))
+        .await;
+    outcomes.answer("evt-d1", "succeeded").await;
+    let pg = env.pg().await;
+    common::eventually(
+        "the first outcome marked published",
+        Duration::from_secs(20),
+        || async {
+            let row = pg
+                .query_one(
+                    "select count(*) from outbox where published_at is null",
+                    &[],
+                )
+                .await
+                .unwrap();
+            row.get::<_, i64>(0) == 0
+        },
+    )
+    .await;
+
+    p.send(&action("evt-d2", email("run_d", "order_d", "Hi")))
+        .await;
+    let dup = outcomes.answer("evt-d2", "succeeded").await;
+    assert_eq!(dup["data"]["duplicate"], true);
+    assert_eq!(
+        dup["data"]["result"],
+        outcomes.answers("evt-d1")[0]["data"]["result"]
+    );
+    let rows: Vec<(String, bool)> = pg
+        .query(
+            "select payload->'data'->>'action_event_id', published_at is not null from outbox
+              where kafka_key = $1 order by id",
+            &[&key],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert_eq!(
+        rows,
+        [("evt-d1".to_string(), true)],
+        "only the first outcome"
+    );
+    let direct: Option<String> = pg
+        .query_one(
+            "select direct_status from deliveries where action_event_id = 'evt-d2'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(direct.as_deref(), Some("succeeded"));
+
+    let e = common::explain(&env, key).await;
+    let listed: Vec<(String, String, bool)> = e["outcomes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|o| {
+            (
+                o["event_id"].as_str().unwrap().to_string(),
+                o["action_event_id"].as_str().unwrap().to_string(),
+                o["direct"] == true,
+            )
+        })
+        .collect();
+    let first = outcomes.answers("evt-d1")[0]["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let answer = dup["id"].as_str().unwrap().to_string();
+    assert_eq!(
+        listed,
+        [
+            (first, "evt-d1".into(), false),
+            (answer, "evt-d2".into(), true)
+        ]
+    );
+    assert_eq!(env.downstream.total_effects(), 1);
+    relay.stop().await;
+}
+
 #[tokio::test]
 async fn seed_trace_timeout_then_reworded_retry_sends_one_email() {
     let env = Env::new().await;

@@ -135,7 +135,7 @@ impl Consume {
 
         let channel = crate::publish::outbox::outbox_channel(&self.config.postgres.schema);
         let mut backoff = Backoff::waiting(Duration::from_millis(50));
-        let result = loop {
+        let mut result = loop {
             match self.record(&items, &channel).await {
                 Ok(r) => {
                     self.metrics.postgres_wrote();
@@ -171,6 +171,17 @@ impl Consume {
         crate::failpoint::crash_point!("after-intent-commit");
         if crate::telemetry::enabled() {
             trace_recorded(&items, started, &self.config.kafka.group_id);
+        }
+
+        // Answers sent straight to Kafka must be acknowledged (or handed to the outbox) before
+        // the offsets of the records they answer advance.
+        let direct = std::mem::take(&mut result.direct);
+        if !direct.is_empty() {
+            crate::failpoint::crash_point!("before-direct-answers");
+            if !self.answer_directly(direct, &channel, shutdown).await {
+                self.rewind(batch);
+                return;
+            }
         }
 
         // The intents are durable: now, and only now, may these offsets advance.
@@ -254,6 +265,7 @@ impl Consume {
                 all.claimed.extend(r.claimed);
                 all.origins.extend(r.origins);
                 all.answers += r.answers;
+                all.direct.extend(r.direct);
                 all.rejections.extend(r.rejections);
             }
         }
@@ -276,6 +288,44 @@ impl Consume {
         let r = crate::intent::record_batch(&tx, items, channel, claimant).await?;
         tx.commit().await?;
         Ok(r)
+    }
+
+    /// Sends a batch's direct answers and waits for Kafka's acknowledgement; what Kafka does not
+    /// acknowledge goes to the outbox instead (which retries, and quarantines what the producer
+    /// refuses for good). `false` when shutdown came before the outbox took them: the batch's
+    /// offsets must not move, and its records, read again, are answered again.
+    async fn answer_directly(
+        &self,
+        direct: Vec<crate::outcome::Outcome>,
+        channel: &str,
+        shutdown: &CancellationToken,
+    ) -> bool {
+        let topic = &self.config.kafka.outcomes_topic;
+        let failed =
+            crate::publish::send_direct(&self.producer, topic, &self.metrics, direct).await;
+        if failed.is_empty() {
+            return true;
+        }
+        let mut backoff = Backoff::waiting(Duration::from_millis(50));
+        loop {
+            let attempt = async {
+                let mut client = self.pool.get().await?;
+                let tx = client.transaction().await?;
+                crate::publish::outbox::insert_outbox(&tx, &failed, channel).await?;
+                tx.commit().await?;
+                Ok::<(), DbError>(())
+            };
+            match attempt.await {
+                Ok(()) => return true,
+                Err(e) => {
+                    RECORD_WAIT.retrying("record", &e);
+                    tokio::select! {
+                        _ = shutdown.cancelled() => return false,
+                        _ = tokio::time::sleep(backoff.after_failure()) => {}
+                    }
+                }
+            }
+        }
     }
 
     fn decode(&self, m: &BorrowedMessage<'_>) -> Incoming {

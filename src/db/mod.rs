@@ -49,6 +49,11 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "0007_growth",
         include_str!("../../schemas/postgres/0007_growth.sql"),
     ),
+    (
+        8,
+        "0008_direct_answers",
+        include_str!("../../schemas/postgres/0008_direct_answers.sql"),
+    ),
 ];
 
 /// Lets `?` turn a driver error into a stage's error whose `Db` variant wraps [`DbError`]: the

@@ -160,8 +160,11 @@ pub struct BatchResult {
     pub claimed: Vec<Claimed>,
     /// (tool, origin) of each message, for metrics.
     pub origins: Vec<(String, Origin)>,
-    /// How many outcome rows were written.
+    /// How many answers were written to the outbox or are to be sent directly.
     pub answers: usize,
+    /// Answers to repeats of settled keys whose outcomes are all published: sent straight to
+    /// Kafka, and the batch's offsets stored only once Kafka acknowledged them.
+    pub direct: Vec<crate::outcome::Outcome>,
     /// (tool, error code) of the actions a gate refused.
     pub rejections: Vec<(String, &'static str)>,
 }

@@ -9,7 +9,7 @@ use tokio_postgres::Row;
 
 use crate::db::DbError;
 use crate::gates::{self, count_runs, Counted};
-use crate::intent::classify::{self, Arrival, Repeat, StoredKey};
+use crate::intent::classify::{self, Arrival, RecordId, Repeat, StoredKey};
 use crate::intent::sql::{
     FAILED_REATTEMPTS, INSERT_DELIVERIES, INSERT_INTENTS, INSERT_INTENTS_OPENING_CALLS,
     OPEN_FIRST_CALLS, REJECT_NEW, SELECT_KEYS_FOR_SHARE, SELECT_SEEN_EVENTS, TOMBSTONED,
@@ -31,6 +31,8 @@ struct DeliveryRows {
     origin: Vec<&'static str>,
     answered: Vec<bool>,
     schema_id: Vec<Option<i32>>,
+    /// The status answered straight to Kafka, rather than through the outbox.
+    direct: Vec<Option<&'static str>>,
 }
 
 impl DeliveryRows {
@@ -53,6 +55,14 @@ impl DeliveryRows {
         self.origin.push(origin.as_str());
         self.answered.push(answered);
         self.schema_id.push(pos.schema_id);
+        self.direct.push(None);
+    }
+
+    /// Marks the delivery pushed last as answered straight to Kafka, with `status`.
+    fn answered_direct(&mut self, status: OutcomeStatus) {
+        if let Some(last) = self.direct.last_mut() {
+            *last = Some(status.as_str());
+        }
     }
 }
 
@@ -193,16 +203,16 @@ pub async fn record_batch(
     // 1. Which records and event ids were seen before: redeliveries and producer retries.
     let seen = seen_before(tx, items).await?;
     let arrivals = classify::arrivals(items, &seen.records, seen.events);
-    let (mut to_insert, mut pending) = rec.sort(items, arrivals);
+    let (mut to_insert, mut pending, again) = rec.sort(items, arrivals, &seen.direct);
     // 2. Gates that refuse a new key before it is recorded.
     let refused = refuse_before_record(tx, &mut rec, &mut to_insert, &seen.stale).await?;
     // 3. and 4. New intents, and the per-run limits counted with them.
     if !to_insert.is_empty() {
         record_new(tx, &mut rec, &to_insert, claimant, &mut pending).await?;
     }
-    // 5. Repeats, against the stored key.
-    if !pending.is_empty() {
-        answer_repeats(tx, &mut rec, pending, &refused).await?;
+    // 5. Repeats, against the stored key, and the direct answers of records read again.
+    if !pending.is_empty() || !again.is_empty() {
+        answer_repeats(tx, &mut rec, pending, again, &refused).await?;
     }
     // 6. and 7. Every delivery and the immediate answers.
     rec.write(tx, channel).await
@@ -213,14 +223,20 @@ pub async fn record_batch(
 struct Recording {
     /// Every message of the batch, so repeats can be classified and explained later.
     deliveries: DeliveryRows,
-    /// Answers sent at once: refusals, conflicts, duplicates, parked and rejected input.
+    /// Answers sent at once through the outbox: refusals, conflicts, parked and rejected input,
+    /// and duplicates of keys with an outcome still unpublished.
     outbox: Vec<Outcome>,
     result: BatchResult,
 }
 
-/// Actions sorted by what the batch does with them: candidates to insert, and repeats (with
-/// the origin they are classified from) that need their key's stored state.
-type Sorted<'a> = (Vec<&'a KeyedAction>, Vec<(&'a KeyedAction, Origin)>);
+/// Actions sorted by what the batch does with them: candidates to insert, repeats (with the
+/// origin they are classified from) that need their key's stored state, and records read again
+/// whose first reading was answered straight to Kafka (answered again, under the same id).
+type Sorted<'a> = (
+    Vec<&'a KeyedAction>,
+    Vec<(&'a KeyedAction, Origin)>,
+    Vec<&'a KeyedAction>,
+);
 
 impl Recording {
     /// A delivery of `a`, counted under its tool and origin.
@@ -241,14 +257,26 @@ impl Recording {
 
     /// Logs redeliveries and rejected input (answering the rejected input that can be
     /// answered), and sorts the actions left into candidates and repeats.
-    fn sort<'a>(&mut self, items: &'a [Incoming], arrivals: Vec<Arrival>) -> Sorted<'a> {
+    fn sort<'a>(
+        &mut self,
+        items: &'a [Incoming],
+        arrivals: Vec<Arrival>,
+        direct: &HashSet<RecordId>,
+    ) -> Sorted<'a> {
         let mut to_insert = Vec::new();
         let mut pending = Vec::new();
+        let mut again = Vec::new();
         for (item, arrival) in items.iter().zip(arrivals) {
             match item {
                 Incoming::Action(a) => match arrival {
-                    // Logged for explain; never executed or answered again.
-                    Arrival::Redelivery => self.delivered(None, a, Origin::Redelivery, true),
+                    // Logged for explain; never executed again. Answered again only when its
+                    // answer went straight to Kafka, which may not have acknowledged it.
+                    Arrival::Redelivery => {
+                        self.delivered(None, a, Origin::Redelivery, true);
+                        if direct.contains(&(a.pos.topic.clone(), a.pos.partition, a.pos.offset)) {
+                            again.push(&**a);
+                        }
+                    }
                     Arrival::ProducerRetry => pending.push((&**a, Origin::ProducerRetry)),
                     // Classified against the stored row, like any later repeat.
                     Arrival::SameKey => pending.push((&**a, Origin::Replay)),
@@ -288,7 +316,7 @@ impl Recording {
                 }
             }
         }
-        (to_insert, pending)
+        (to_insert, pending, again)
     }
 
     /// Writes every delivery and the immediate answers, together.
@@ -298,6 +326,7 @@ impl Recording {
             outbox,
             mut result,
         } = self;
+        result.answers = result.direct.len();
         let record_deliveries = async {
             if d.key.is_empty() {
                 return Ok(0);
@@ -315,6 +344,7 @@ impl Recording {
                     &d.origin,
                     &d.answered,
                     &d.schema_id,
+                    &d.direct,
                 ],
             )
             .await
@@ -322,7 +352,7 @@ impl Recording {
         };
         let (_, answers) =
             futures::try_join!(record_deliveries, insert_outbox(tx, &outbox, channel))?;
-        result.answers = answers;
+        result.answers += answers;
         Ok(result)
     }
 }
@@ -330,7 +360,9 @@ impl Recording {
 /// What the database already knows about a batch's messages.
 struct Seen {
     /// (topic, partition, offset) of records delivered before: redeliveries.
-    records: HashSet<(String, i32, i64)>,
+    records: HashSet<RecordId>,
+    /// Those of them answered straight to Kafka.
+    direct: HashSet<RecordId>,
     /// Event ids recorded before: producer retries.
     events: HashSet<String>,
     /// Keys pruned past retention that left a tombstone.
@@ -365,15 +397,20 @@ async fn seen_before(tx: &Transaction<'_>, items: &[Incoming]) -> Result<Seen, D
     )?;
     let mut seen = Seen {
         records: HashSet::new(),
+        direct: HashSet::new(),
         events: HashSet::new(),
         stale: stale_rows.iter().map(|r| r.get("k")).collect(),
     };
     for row in seen_rows {
-        seen.records.insert((
+        let record: RecordId = (
             row.get("source_topic"),
             row.get("source_partition"),
             row.get("source_offset"),
-        ));
+        );
+        if row.get::<_, bool>("answered_direct") {
+            seen.direct.insert(record.clone());
+        }
+        seen.records.insert(record);
         seen.events.insert(row.get("action_event_id"));
     }
     Ok(seen)
@@ -522,21 +559,49 @@ async fn record_new<'a>(
 }
 
 /// Compares each repeat with its stored key and answers it now, or leaves it to be answered
-/// when the key resolves.
+/// when the key resolves. A duplicate of a key whose outcomes are all published is answered
+/// straight to Kafka (its offset waits for the acknowledgement); otherwise through the outbox,
+/// behind the key's own outcomes. `again`: records read again whose first answer went
+/// straight to Kafka, answered again under the same event id.
 async fn answer_repeats(
     tx: &Transaction<'_>,
     rec: &mut Recording,
     pending: Vec<(&KeyedAction, Origin)>,
+    again: Vec<&KeyedAction>,
     refused: &HashMap<&str, (ErrorCode, String)>,
 ) -> Result<(), DbError> {
-    let keys: Vec<&str> = pending.iter().map(|(a, _)| a.key.as_str()).collect();
+    let keys: Vec<&str> = pending
+        .iter()
+        .map(|(a, _)| a.key.as_str())
+        .chain(again.iter().map(|a| a.key.as_str()))
+        .collect();
     let mut existing: HashMap<String, StoredKey> = HashMap::new();
+    let mut unpublished: HashSet<String> = HashSet::new();
     for row in tx
         .query(&tx.prepare_cached(SELECT_KEYS_FOR_SHARE).await?, &[&keys])
         .await?
     {
         let stored = stored_key(&row);
+        if row.get::<_, bool>("unpublished") {
+            unpublished.insert(stored.state.key.clone());
+        }
         existing.insert(stored.state.key.clone(), stored);
+    }
+    for a in again {
+        match existing.get(&a.key) {
+            Some(k) if k.reportable => {
+                let answer = answer::duplicate(&k.state, &a.event.id, a.event.traceparent.clone());
+                if unpublished.contains(&a.key) {
+                    rec.outbox.push(answer);
+                } else {
+                    rec.result.direct.push(answer);
+                }
+            }
+            // Pruned since (past retention), or never settled: nothing to answer from.
+            _ => {
+                tracing::debug!(key = %a.key, "a record read again has no settled key to answer from")
+            }
+        }
     }
     for (a, hint) in pending {
         let stored = existing.get(&a.key);
@@ -563,14 +628,17 @@ async fn answer_repeats(
                 origin,
                 answered,
             } => {
-                if answered {
-                    rec.outbox.push(answer::duplicate(
-                        &k.state,
-                        &a.event.id,
-                        a.event.traceparent.clone(),
-                    ));
-                }
                 rec.delivered(Some(k.id), a, origin, answered);
+                if answered {
+                    let answer =
+                        answer::duplicate(&k.state, &a.event.id, a.event.traceparent.clone());
+                    if unpublished.contains(&a.key) {
+                        rec.outbox.push(answer);
+                    } else {
+                        rec.deliveries.answered_direct(k.state.status);
+                        rec.result.direct.push(answer);
+                    }
+                }
             }
         }
     }

@@ -1,7 +1,8 @@
 //! The statements that record a batch. Parameters are never formatted in.
 
 pub(crate) const SELECT_SEEN_EVENTS: &str = "
-    select action_event_id, source_topic, source_partition, source_offset
+    select action_event_id, source_topic, source_partition, source_offset,
+           direct_status is not null as answered_direct
     from deliveries where action_event_id = any($1)";
 
 // A row with a lease owner is recorded claimed (`running`, epoch 1); its attempt row follows
@@ -49,7 +50,10 @@ pub(crate) const OPEN_FIRST_CALLS: &str = "
 // statement that locks several intents locks them in id order, so they cannot deadlock.
 pub(crate) const SELECT_KEYS_FOR_SHARE: &str = "
     select id, idempotency_key, material, fingerprint, args_hash, action_event_id, status, result,
-           error, attempts, run_id, step, tool, coalesce(finished_at, updated_at) as at
+           error, attempts, run_id, step, tool, coalesce(finished_at, updated_at) as at,
+           exists (select 1 from outbox o
+                    where o.kafka_key = intents.idempotency_key
+                      and o.published_at is null and o.quarantined_at is null) as unpublished
     from intents
     where idempotency_key = any($1) and class <> 'read_only'
     order by id
@@ -57,9 +61,10 @@ pub(crate) const SELECT_KEYS_FOR_SHARE: &str = "
 
 pub(crate) const INSERT_DELIVERIES: &str = "
     insert into deliveries (intent_id, idempotency_key, action_event_id, source_topic,
-                            source_partition, source_offset, origin, answered, schema_id)
+                            source_partition, source_offset, origin, answered, schema_id,
+                            direct_status)
     select * from unnest($1::int8[], $2::text[], $3::text[], $4::text[], $5::int4[], $6::int8[],
-                         $7::text[], $8::bool[], $9::int4[])";
+                         $7::text[], $8::bool[], $9::int4[], $10::text[])";
 
 // The publisher is woken (NOTIFY, delivered at commit) only when a row was new.
 pub(crate) const INSERT_OUTBOX: &str = "

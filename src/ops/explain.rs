@@ -56,15 +56,34 @@ const EXPLAIN: &str = "
                        'reason', reason, 'at', at::text) order by id)
               from resolutions where idempotency_key = i.idempotency_key), '[]'),
         'outcomes', coalesce((
-            select json_agg(json_build_object(
+            select json_agg(o.outcome order by o.at, o.id) from (
+                select created_at as at, id, json_build_object(
                        'event_id', event_id,
                        'action_event_id', payload->'data'->>'action_event_id',
                        'status', payload->'data'->>'status',
                        'duplicate', (payload->'data'->>'duplicate')::bool,
                        'note', payload->'data'->>'note',
                        'recorded_at', created_at::text,
-                       'published_at', published_at::text) order by id)
-              from outbox where kafka_key = i.idempotency_key), '[]'))
+                       'published_at', published_at::text,
+                       'direct', false) as outcome
+                  from outbox where kafka_key = i.idempotency_key
+                union all
+                -- Repeats answered straight to Kafka keep no outbox row: their answers' ids are
+                -- derived as the relay derives them (see outcome_id).
+                select received_at, id, json_build_object(
+                       'event_id', encode(substring(sha256(
+                           convert_to(idempotency_key, 'UTF8') || '\\x00'::bytea
+                           || convert_to('answer:' || action_event_id, 'UTF8')) from 1 for 16),
+                           'hex')::uuid::text,
+                       'action_event_id', action_event_id,
+                       'status', direct_status,
+                       'duplicate', true,
+                       'note', 'sent straight to Kafka with the stored result (no outbox row)',
+                       'recorded_at', received_at::text,
+                       'published_at', null,
+                       'direct', true)
+                  from deliveries
+                 where idempotency_key = i.idempotency_key and direct_status is not null) o), '[]'))
       from intents i
      where i.idempotency_key = $1 and i.class <> 'read_only'";
 

@@ -115,36 +115,10 @@ impl Publisher {
         let mut enqueue_failed = None;
         for row in &rows {
             let payload = serde_json::to_vec(&row.payload).expect("json serializes");
-            let mut headers = OwnedHeaders::new().insert(Header {
-                key: "content-type",
-                value: Some(STRUCTURED_CONTENT_TYPE),
-            });
-            if let Some(t) = &row.traceparent {
-                headers = headers.insert(Header {
-                    key: "traceparent",
-                    value: Some(t.as_str()),
-                });
-            }
-            // The event stays structured (content-type says so); its attributes ride along as
-            // headers too, so a router can filter on them without parsing the body.
-            for (key, attribute) in [
-                ("ce_id", "id"),
-                ("ce_type", "type"),
-                ("ce_source", "source"),
-                ("ce_subject", "subject"),
-                ("ce_specversion", "specversion"),
-            ] {
-                if let Some(value) = row.payload[attribute].as_str() {
-                    headers = headers.insert(Header {
-                        key,
-                        value: Some(value),
-                    });
-                }
-            }
             let record = FutureRecord::to(topic)
                 .key(&row.key)
                 .payload(&payload)
-                .headers(headers);
+                .headers(outcome_headers(&row.payload, row.traceparent.as_deref()));
             // send_result only enqueues; the acknowledgements are awaited together below.
             match producer.send_result(record) {
                 Ok(delivery) => pending.push((row.id, row.event_id.clone(), delivery)),
@@ -295,6 +269,88 @@ impl Publisher {
             }
         }
     }
+}
+
+/// An outcome event's headers: structured content (content-type says so), its trace context,
+/// and its CloudEvents attributes, so a router can filter on them without parsing the body.
+fn outcome_headers(payload: &serde_json::Value, traceparent: Option<&str>) -> OwnedHeaders {
+    let mut headers = OwnedHeaders::new().insert(Header {
+        key: "content-type",
+        value: Some(STRUCTURED_CONTENT_TYPE),
+    });
+    if let Some(t) = traceparent {
+        headers = headers.insert(Header {
+            key: "traceparent",
+            value: Some(t),
+        });
+    }
+    for (key, attribute) in [
+        ("ce_id", "id"),
+        ("ce_type", "type"),
+        ("ce_source", "source"),
+        ("ce_subject", "subject"),
+        ("ce_specversion", "specversion"),
+    ] {
+        if let Some(value) = payload[attribute].as_str() {
+            headers = headers.insert(Header {
+                key,
+                value: Some(value),
+            });
+        }
+    }
+    headers
+}
+
+/// Sends answers straight to the outcomes topic (no outbox row) and waits for every
+/// acknowledgement; returns the ones Kafka did not acknowledge, for the outbox to carry.
+pub async fn send_direct(
+    producer: &crate::kafka::SharedProducer,
+    topic: &str,
+    metrics: &Metrics,
+    answers: Vec<crate::outcome::Outcome>,
+) -> Vec<crate::outcome::Outcome> {
+    let (generation, p) = producer.get();
+    let mut pending = Vec::with_capacity(answers.len());
+    let mut failed = Vec::new();
+    let mut healing = false;
+    for answer in answers {
+        let payload = serde_json::to_vec(&answer.payload).expect("json serializes");
+        let record = FutureRecord::to(topic)
+            .key(&answer.key)
+            .payload(&payload)
+            .headers(outcome_headers(
+                &answer.payload,
+                answer.traceparent.as_deref(),
+            ));
+        match p.send_result(record) {
+            Ok(delivery) => pending.push((answer, delivery)),
+            Err((e, _)) => {
+                healing |= !refused_for_good(&e);
+                tracing::debug!(error = %e, event_id = %answer.event_id, "direct answer not enqueued; the outbox carries it");
+                failed.push(answer);
+            }
+        }
+    }
+    let mut acked = 0;
+    for (answer, delivery) in pending {
+        match delivery.await {
+            Ok(Ok(_)) => acked += 1,
+            Ok(Err((e, _))) => {
+                healing |= !refused_for_good(&e);
+                tracing::debug!(error = %e, event_id = %answer.event_id, "direct answer not acknowledged; the outbox carries it");
+                failed.push(answer);
+            }
+            Err(_) => {
+                healing = true;
+                failed.push(answer);
+            }
+        }
+    }
+    metrics.published(topic, acked);
+    if healing {
+        producer.heal(generation, metrics);
+    }
+    failed
 }
 
 /// The creation time and incoming `traceparent` of each key, for its spans.
