@@ -11,6 +11,7 @@
 //! many were pruned while it lasted.
 //! `IDEM_BENCH_SCHEMA=name` keeps idem's tables in that schema across runs (fill once, measure
 //! several ways).
+//! `IDEM_BENCH_BIN=PATH` runs that build of the relay instead of this one (an A/B of two commits).
 //!
 //! `dbos` runs `benches/dbos_relay.py` (DBOS Transact's Kafka integration, one workflow per message,
 //! the effect in a child workflow keyed by the idempotency key) with the Python named by

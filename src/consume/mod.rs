@@ -173,30 +173,7 @@ impl Consume {
             trace_recorded(&items, started, &self.config.kafka.group_id);
         }
 
-        // Answers sent straight to Kafka must be acknowledged (or handed to the outbox) before
-        // the offsets of the records they answer advance.
         let direct = std::mem::take(&mut result.direct);
-        if !direct.is_empty() {
-            crate::failpoint::crash_point!("before-direct-answers");
-            if !self.answer_directly(direct, &channel, shutdown).await {
-                self.rewind(batch);
-                return;
-            }
-        }
-
-        // The intents are durable: now, and only now, may these offsets advance.
-        let mut high: BTreeMap<(&str, i32), i64> = BTreeMap::new();
-        for m in batch {
-            let e = high.entry((m.topic(), m.partition())).or_insert(m.offset());
-            *e = (*e).max(m.offset());
-        }
-        for ((topic, partition), offset) in high {
-            if let Err(e) = self.consumer.store_offset(topic, partition, offset) {
-                // The partition was revoked meanwhile; its next owner re-reads and dedupes.
-                tracing::debug!(error = %e, topic, partition, "offset not stored");
-            }
-        }
-
         for (tool, origin) in &result.origins {
             self.metrics.consumed(*origin);
             match origin {
@@ -222,6 +199,29 @@ impl Consume {
         }
         for (id, tool) in &result.new_intents {
             self.executor.dispatch(*id, tool).await;
+        }
+
+        // Answers sent straight to Kafka must be acknowledged (or handed to the outbox) before
+        // the offsets of the records they answer advance; the calls above wait for neither.
+        if !direct.is_empty() {
+            crate::failpoint::crash_point!("before-direct-answers");
+            if !self.answer_directly(direct, &channel, shutdown).await {
+                self.rewind(batch);
+                return;
+            }
+        }
+
+        // The intents are durable: now, and only now, may these offsets advance.
+        let mut high: BTreeMap<(&str, i32), i64> = BTreeMap::new();
+        for m in batch {
+            let e = high.entry((m.topic(), m.partition())).or_insert(m.offset());
+            *e = (*e).max(m.offset());
+        }
+        for ((topic, partition), offset) in high {
+            if let Err(e) = self.consumer.store_offset(topic, partition, offset) {
+                // The partition was revoked meanwhile; its next owner re-reads and dedupes.
+                tracing::debug!(error = %e, topic, partition, "offset not stored");
+            }
         }
     }
 
