@@ -278,16 +278,28 @@ impl Consume {
         channel: &str,
     ) -> Result<crate::intent::BatchResult, DbError> {
         let since = std::time::Instant::now();
-        let mut client = self.pool.get().await?;
-        let tx = client.transaction().await?;
         let claimant = crate::intent::Claimant {
             owner: &self.config.relay.instance_id,
             lease_secs: self.config.relay.lease.as_secs_f64(),
             since,
         };
-        let r = crate::intent::record_batch(&tx, items, channel, claimant).await?;
-        tx.commit().await?;
-        Ok(r)
+        // record_batch opens and commits its own transaction; until it has committed, the
+        // connection goes back to the pool only once rolled back, and never if this future is
+        // dropped half way (the guard closes it then).
+        let mut open = OpenTransaction(Some(self.pool.get().await?));
+        let client = open.0.as_ref().expect("held");
+        match crate::intent::record_batch(client, items, channel, claimant).await {
+            Ok(r) => {
+                open.0.take();
+                Ok(r)
+            }
+            Err(e) => {
+                if client.batch_execute("rollback").await.is_ok() {
+                    open.0.take();
+                }
+                Err(e)
+            }
+        }
     }
 
     /// Sends a batch's direct answers and waits for Kafka's acknowledgement; what Kafka does not
@@ -467,6 +479,18 @@ impl Consume {
                 // next owner (or this consumer after a rebalance) reads it again.
                 tracing::warn!(error = %e, topic, partition, offset, "cannot rewind the partition");
             }
+        }
+    }
+}
+
+/// A pooled connection inside a transaction that has not ended: dropped while armed, it is
+/// closed rather than returned to the pool with the transaction still open.
+struct OpenTransaction(Option<deadpool_postgres::Object>);
+
+impl Drop for OpenTransaction {
+    fn drop(&mut self) {
+        if let Some(connection) = self.0.take() {
+            drop(deadpool_postgres::Object::take(connection));
         }
     }
 }

@@ -2,7 +2,6 @@
 
 use std::collections::HashMap;
 
-use deadpool_postgres::Transaction;
 use serde_json::Value;
 
 use crate::action::key;
@@ -125,7 +124,7 @@ pub(crate) struct Counted<'a> {
 /// Counts newly recorded intents against their tool's and their run's limits; returns the ids
 /// over a limit, with the reason.
 pub(crate) async fn count_runs(
-    tx: &Transaction<'_>,
+    tx: &impl deadpool_postgres::GenericClient,
     recorded: &[Counted<'_>],
 ) -> Result<HashMap<i64, String>, DbError> {
     // (run, tool or "*") → (limit, this batch's intents, in order)

@@ -3,7 +3,7 @@
 use std::collections::{HashMap, HashSet};
 
 use chrono::{DateTime, Utc};
-use deadpool_postgres::Transaction;
+use deadpool_postgres::GenericClient;
 use serde_json::Value;
 use tokio_postgres::Row;
 
@@ -18,7 +18,7 @@ use crate::intent::Origin;
 use crate::intent::{BatchResult, Claimant, Incoming, IntentStatus, KeyedAction, Position};
 use crate::outcome::answer::{self, KeyState};
 use crate::outcome::{ErrorCode, Outcome, OutcomeError, OutcomeStatus};
-use crate::publish::outbox::insert_outbox;
+use crate::publish::outbox::{insert_outbox_prepared, INSERT_OUTBOX_SQL};
 
 #[derive(Default)]
 struct DeliveryRows {
@@ -99,7 +99,7 @@ fn stored_key(row: &Row) -> StoredKey {
 /// first calls are opened only once counted. Returns the new intents' ids by event id (a key
 /// recorded first by another delivery is missing).
 async fn insert_intents(
-    tx: &Transaction<'_>,
+    tx: &impl GenericClient,
     acts: &[&KeyedAction],
     claimant: Claimant<'_>,
     limited: bool,
@@ -191,17 +191,26 @@ async fn insert_intents(
         .collect())
 }
 
-/// Records one batch of consumed messages in a single transaction. Only after it commits may the
-/// consumer store these messages' offsets.
+/// Records one batch of consumed messages in a single transaction, which it opens and commits
+/// itself on `tx` (a connection outside any transaction): the `begin` goes out with the first
+/// reads and the `commit` with the last writes, two round trips fewer than a transaction
+/// object's. On an error the transaction may still be open or aborted: the caller rolls it back
+/// (or discards the connection). Only after it commits may the consumer store these messages'
+/// offsets.
 pub async fn record_batch(
-    tx: &Transaction<'_>,
+    tx: &impl GenericClient,
     items: &[Incoming],
     channel: &str,
     claimant: Claimant<'_>,
 ) -> Result<BatchResult, DbError> {
     let mut rec = Recording::default();
-    // 1. Which records and event ids were seen before: redeliveries and producer retries.
-    let seen = seen_before(tx, items).await?;
+    // 1. Which records and event ids were seen before: redeliveries and producer retries. The
+    // reads take no locks and see what is committed, in the transaction or not (read
+    // committed), so they need not wait for the `begin`; every write comes after both.
+    let (_, seen) = futures::try_join!(
+        async { tx.batch_execute("begin").await.map_err(DbError::from) },
+        seen_before(tx, items)
+    )?;
     let arrivals = classify::arrivals(items, &seen.records, seen.events);
     let (mut to_insert, mut pending, again) = rec.sort(items, arrivals, &seen.direct);
     // 2. Gates that refuse a new key before it is recorded.
@@ -214,8 +223,8 @@ pub async fn record_batch(
     if !pending.is_empty() || !again.is_empty() {
         answer_repeats(tx, &mut rec, pending, again, &refused).await?;
     }
-    // 6. and 7. Every delivery and the immediate answers.
-    rec.write(tx, channel).await
+    // 6. and 7. Every delivery and the immediate answers, and the commit.
+    rec.write_and_commit(tx, channel).await
 }
 
 /// What one batch's transaction writes besides its intents, gathered as it is classified.
@@ -319,21 +328,31 @@ impl Recording {
         (to_insert, pending, again)
     }
 
-    /// Writes every delivery and the immediate answers, together.
-    async fn write(self, tx: &Transaction<'_>, channel: &str) -> Result<BatchResult, DbError> {
+    /// Writes every delivery and the immediate answers, and commits, in one round trip. The
+    /// statements are prepared first: each request goes out when its future is first polled, in
+    /// order, so the `commit` can only follow them (a statement that fails aborts the
+    /// transaction, and the `commit` then rolls it back; the failure is what is returned).
+    async fn write_and_commit(
+        self,
+        tx: &impl GenericClient,
+        channel: &str,
+    ) -> Result<BatchResult, DbError> {
         let Recording {
             deliveries: d,
             outbox,
             mut result,
         } = self;
         result.answers = result.direct.len();
+        let (deliveries_statement, outbox_statement) = futures::try_join!(
+            tx.prepare_cached(INSERT_DELIVERIES),
+            tx.prepare_cached(INSERT_OUTBOX_SQL)
+        )?;
         let record_deliveries = async {
             if d.key.is_empty() {
                 return Ok(0);
             }
-            let statement = tx.prepare_cached(INSERT_DELIVERIES).await?;
             tx.execute(
-                &statement,
+                &deliveries_statement,
                 &[
                     &d.intent_id,
                     &d.key,
@@ -350,8 +369,12 @@ impl Recording {
             .await
             .map_err(DbError::from)
         };
-        let (_, answers) =
-            futures::try_join!(record_deliveries, insert_outbox(tx, &outbox, channel))?;
+        let commit = async { tx.batch_execute("commit").await.map_err(DbError::from) };
+        let (_, answers, ()) = futures::try_join!(
+            record_deliveries,
+            insert_outbox_prepared(tx, &outbox_statement, &outbox, channel),
+            commit
+        )?;
         result.answers += answers;
         Ok(result)
     }
@@ -371,7 +394,7 @@ struct Seen {
 
 /// The records and event ids seen before, and the tombstone check of every key, in one round
 /// trip.
-async fn seen_before(tx: &Transaction<'_>, items: &[Incoming]) -> Result<Seen, DbError> {
+async fn seen_before(tx: &impl GenericClient, items: &[Incoming]) -> Result<Seen, DbError> {
     let event_ids: Vec<String> = items
         .iter()
         .filter_map(|i| match i {
@@ -420,7 +443,7 @@ async fn seen_before(tx: &Transaction<'_>, items: &[Incoming]) -> Result<Seen, D
 /// retention), and too many failed attempts at the same business action. A refused key is not
 /// recorded, so a repeat of it later in the batch gets the same refusal (`answer_repeats`).
 async fn refuse_before_record<'a>(
-    tx: &Transaction<'_>,
+    tx: &impl GenericClient,
     rec: &mut Recording,
     to_insert: &mut Vec<&'a KeyedAction>,
     stale: &HashSet<String>,
@@ -481,7 +504,7 @@ async fn refuse_before_record<'a>(
 /// distinct intent is refused. Intents that need a person's approval are recorded parked and
 /// answered as such.
 async fn record_new<'a>(
-    tx: &Transaction<'_>,
+    tx: &impl GenericClient,
     rec: &mut Recording,
     to_insert: &[&'a KeyedAction],
     claimant: Claimant<'_>,
@@ -564,7 +587,7 @@ async fn record_new<'a>(
 /// behind the key's own outcomes. `again`: records read again whose first answer went
 /// straight to Kafka, answered again under the same event id.
 async fn answer_repeats(
-    tx: &Transaction<'_>,
+    tx: &impl GenericClient,
     rec: &mut Recording,
     pending: Vec<(&KeyedAction, Origin)>,
     again: Vec<&KeyedAction>,

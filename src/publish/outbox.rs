@@ -13,8 +13,22 @@ pub fn outbox_channel(schema: &str) -> String {
     format!("idem_outbox_{schema}")
 }
 
+pub(crate) use crate::intent::sql::INSERT_OUTBOX as INSERT_OUTBOX_SQL;
+
 pub(crate) async fn insert_outbox(
     tx: &Transaction<'_>,
+    outcomes: &[Outcome],
+    channel: &str,
+) -> Result<usize, DbError> {
+    let statement = tx.prepare_cached(INSERT_OUTBOX).await?;
+    insert_outbox_prepared(tx, &statement, outcomes, channel).await
+}
+
+/// [`insert_outbox`] with its statement prepared (`INSERT_OUTBOX_SQL`): the request goes out
+/// when the future is first polled.
+pub(crate) async fn insert_outbox_prepared(
+    tx: &impl deadpool_postgres::GenericClient,
+    statement: &tokio_postgres::Statement,
     outcomes: &[Outcome],
     channel: &str,
 ) -> Result<usize, DbError> {
@@ -25,9 +39,8 @@ pub(crate) async fn insert_outbox(
     let keys: Vec<&str> = outcomes.iter().map(|o| o.key.as_str()).collect();
     let payloads: Vec<&Value> = outcomes.iter().map(|o| &o.payload).collect();
     let traces: Vec<Option<&str>> = outcomes.iter().map(|o| o.traceparent.as_deref()).collect();
-    let statement = tx.prepare_cached(INSERT_OUTBOX).await?;
     let row = tx
-        .query_one(&statement, &[&ids, &keys, &payloads, &traces, &channel])
+        .query_one(statement, &[&ids, &keys, &payloads, &traces, &channel])
         .await?;
     Ok(row.get::<_, i64>(0) as usize)
 }
