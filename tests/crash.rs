@@ -315,21 +315,7 @@ async fn a_crash_before_a_direct_answer_is_sent_answers_it_after_the_restart() {
     outcomes.answer("direct-1", "succeeded").await;
     // The repeat is answered directly only once the first outcome is marked published.
     let pg = env.pg().await;
-    common::eventually(
-        "the first outcome marked published",
-        Duration::from_secs(20),
-        || async {
-            let row = pg
-                .query_one(
-                    "select count(*) from outbox where published_at is null",
-                    &[],
-                )
-                .await
-                .unwrap();
-            row.get::<_, i64>(0) == 0
-        },
-    )
-    .await;
+    common::outbox_drained(&pg, "the first outcome marked published").await;
     p.send(&action("direct-2", email("r9", "b1"))).await;
     relay.exited(Duration::from_secs(60)).await;
     let recorded: Option<String> = pg

@@ -132,21 +132,7 @@ async fn a_repeat_of_a_published_outcome_is_answered_without_an_outbox_row() {
         .await;
     outcomes.answer("evt-d1", "succeeded").await;
     let pg = env.pg().await;
-    common::eventually(
-        "the first outcome marked published",
-        Duration::from_secs(20),
-        || async {
-            let row = pg
-                .query_one(
-                    "select count(*) from outbox where published_at is null",
-                    &[],
-                )
-                .await
-                .unwrap();
-            row.get::<_, i64>(0) == 0
-        },
-    )
-    .await;
+    common::outbox_drained(&pg, "the first outcome marked published").await;
 
     p.send(&action("evt-d2", email("run_d", "order_d", "Hi")))
         .await;

@@ -264,6 +264,18 @@ impl Recording {
         self.result.rejections.push((a.tool.clone(), code.as_str()));
     }
 
+    /// Answers a duplicate of `k` with its stored result: through the outbox behind the key's
+    /// own outcomes when one is still `unpublished`, else straight to Kafka (`true`).
+    fn answer_duplicate(&mut self, k: &StoredKey, a: &KeyedAction, unpublished: bool) -> bool {
+        let answer = answer::duplicate(&k.state, &a.event.id, a.event.traceparent.clone());
+        if unpublished {
+            self.outbox.push(answer);
+        } else {
+            self.result.direct.push(answer);
+        }
+        !unpublished
+    }
+
     /// Logs redeliveries and rejected input (answering the rejected input that can be
     /// answered), and sorts the actions left into candidates and repeats.
     fn sort<'a>(
@@ -613,12 +625,7 @@ async fn answer_repeats(
     for a in again {
         match existing.get(&a.key) {
             Some(k) if k.reportable => {
-                let answer = answer::duplicate(&k.state, &a.event.id, a.event.traceparent.clone());
-                if unpublished.contains(&a.key) {
-                    rec.outbox.push(answer);
-                } else {
-                    rec.result.direct.push(answer);
-                }
+                rec.answer_duplicate(k, a, unpublished.contains(&a.key));
             }
             // Pruned since (past retention), or never settled: nothing to answer from.
             _ => {
@@ -652,15 +659,8 @@ async fn answer_repeats(
                 answered,
             } => {
                 rec.delivered(Some(k.id), a, origin, answered);
-                if answered {
-                    let answer =
-                        answer::duplicate(&k.state, &a.event.id, a.event.traceparent.clone());
-                    if unpublished.contains(&a.key) {
-                        rec.outbox.push(answer);
-                    } else {
-                        rec.deliveries.answered_direct(k.state.status);
-                        rec.result.direct.push(answer);
-                    }
+                if answered && rec.answer_duplicate(k, a, unpublished.contains(&a.key)) {
+                    rec.deliveries.answered_direct(k.state.status);
                 }
             }
         }

@@ -498,6 +498,22 @@ pub async fn config_file(
     path
 }
 
+/// Waits until every outbox row of the test's schema is marked published (`pg` is
+/// [`Env::pg`]'s connection), or fails naming `what`.
+pub async fn outbox_drained(pg: &tokio_postgres::Client, what: &str) {
+    eventually(what, Duration::from_secs(20), || async {
+        let row = pg
+            .query_one(
+                "select count(*) from outbox where published_at is null",
+                &[],
+            )
+            .await
+            .unwrap();
+        row.get::<_, i64>(0) == 0
+    })
+    .await;
+}
+
 /// `idem explain --json` for a key, through the library.
 pub async fn explain(env: &Env, key: &str) -> Value {
     let config = Config::from_toml(&env.config_text("", ""), |_| None).unwrap();
