@@ -284,19 +284,15 @@ impl Consume {
             since,
         };
         // record_batch opens and commits its own transaction; until it has committed, the
-        // connection goes back to the pool only once rolled back, and never if this future is
-        // dropped half way (the guard closes it then).
-        let mut open = OpenTransaction(Some(self.pool.get().await?));
-        let client = open.0.as_ref().expect("held");
-        match crate::intent::record_batch(client, items, channel, claimant).await {
+        // connection goes back to the pool only once rolled back.
+        let open = crate::db::OpenTransaction::new(self.pool.get().await?);
+        match crate::intent::record_batch(open.client(), items, channel, claimant).await {
             Ok(r) => {
-                open.0.take();
+                open.ended();
                 Ok(r)
             }
             Err(e) => {
-                if client.batch_execute("rollback").await.is_ok() {
-                    open.0.take();
-                }
+                open.roll_back().await;
                 Err(e)
             }
         }
@@ -479,18 +475,6 @@ impl Consume {
                 // next owner (or this consumer after a rebalance) reads it again.
                 tracing::warn!(error = %e, topic, partition, offset, "cannot rewind the partition");
             }
-        }
-    }
-}
-
-/// A pooled connection inside a transaction that has not ended: dropped while armed, it is
-/// closed rather than returned to the pool with the transaction still open.
-struct OpenTransaction(Option<deadpool_postgres::Object>);
-
-impl Drop for OpenTransaction {
-    fn drop(&mut self) {
-        if let Some(connection) = self.0.take() {
-            drop(deadpool_postgres::Object::take(connection));
         }
     }
 }

@@ -319,6 +319,71 @@ fn pool_of(
         .map_err(|e| DbError::Build(e.to_string()))
 }
 
+/// A pooled connection in a transaction opened by hand: its `begin` goes out with the first
+/// statements ([`begin_with`]) and its `commit` with the last ([`commit_with`]), two round trips
+/// fewer than a transaction object's. Until [`OpenTransaction::ended`], the connection goes back
+/// to the pool only once rolled back ([`OpenTransaction::roll_back`]); dropped half way (a
+/// cancelled future, an early return), it is closed, never reused with the transaction open.
+pub struct OpenTransaction(Option<deadpool_postgres::Object>);
+
+impl OpenTransaction {
+    pub fn new(connection: deadpool_postgres::Object) -> Self {
+        OpenTransaction(Some(connection))
+    }
+
+    pub fn client(&self) -> &deadpool_postgres::Object {
+        self.0.as_ref().expect("held until ended or rolled back")
+    }
+
+    /// The transaction ended (its `commit` was answered): the connection may be reused.
+    pub fn ended(mut self) {
+        self.0.take();
+    }
+
+    /// Rolls back whatever is still open, and returns the connection to the pool if that
+    /// worked (it is closed otherwise).
+    pub async fn roll_back(mut self) {
+        if let Some(connection) = self.0.as_ref() {
+            if connection.batch_execute("rollback").await.is_ok() {
+                self.0.take();
+            }
+        }
+    }
+}
+
+impl Drop for OpenTransaction {
+    fn drop(&mut self) {
+        if let Some(connection) = self.0.take() {
+            drop(deadpool_postgres::Object::take(connection));
+        }
+    }
+}
+
+/// Sends `begin`, then `first`, in one round trip (`first`'s requests always follow the
+/// `begin`; with its statements prepared beforehand they go out together).
+pub async fn begin_with<T>(
+    client: &impl deadpool_postgres::GenericClient,
+    first: impl std::future::Future<Output = Result<T, DbError>>,
+) -> Result<T, DbError> {
+    let begin = async { client.batch_execute("begin").await.map_err(DbError::from) };
+    let ((), t) = futures::try_join!(begin, first)?;
+    Ok(t)
+}
+
+/// Sends `last`, then `commit`, in one round trip. A statement of `last` that fails aborts the
+/// transaction, so the `commit` rolls it back and the statement's error is returned. `last`
+/// must send its requests when first polled, its statements prepared beforehand
+/// (`prepare_cached` on this connection): a statement still to be parsed would run after the
+/// `commit`, outside the transaction.
+pub async fn commit_with<T>(
+    client: &impl deadpool_postgres::GenericClient,
+    last: impl std::future::Future<Output = Result<T, DbError>>,
+) -> Result<T, DbError> {
+    let commit = async { client.batch_execute("commit").await.map_err(DbError::from) };
+    let (t, ()) = futures::try_join!(last, commit)?;
+    Ok(t)
+}
+
 /// Applies the migrations not yet recorded. Safe to run twice and from two relays at once:
 /// everything happens in one transaction under an advisory lock named for the schema.
 pub async fn migrate(cfg: &PostgresConfig) -> Result<Vec<i32>, DbError> {

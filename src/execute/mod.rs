@@ -22,6 +22,7 @@ use crate::failpoint::crash_point;
 use crate::group_commit::{GroupCommit, GroupError};
 use crate::metrics::Metrics;
 use crate::outcome::answer::KeyState;
+use crate::outcome::finish::FinishStatements;
 use crate::outcome::{ErrorCode, OutcomeStatus};
 use crate::outcome::{Finish, Settled};
 use crate::retry::Backoff;
@@ -59,19 +60,33 @@ async fn ask<T: Send + 'static, R: Send + 'static>(
         .map_err(ExecError::Group)
 }
 
-/// Records a group of http outcomes in one transaction.
+/// Records a group of http outcomes in one transaction of two round trips: its `begin` with
+/// the lock and the finish, its `commit` with the outbox rows.
 async fn finish_group(
     pool: &Pool,
     items: &[Finish],
     channel: &str,
 ) -> Result<Vec<Option<KeyState>>, DbError> {
-    let mut client = pool.get().await?;
-    let tx = client.transaction().await?;
-    let states = crate::outcome::finish_many(&tx, items, channel).await?;
-    crash_point!("before-outcome-commit");
-    tx.commit().await?;
-    crash_point!("after-outcome-commit");
-    Ok(states)
+    let open = db::OpenTransaction::new(pool.get().await?);
+    let client = open.client();
+    let finished = async {
+        let statements = FinishStatements::prepare(client).await?;
+        let (states, outcomes) = db::begin_with(client, statements.finish(client, items)).await?;
+        crash_point!("before-outcome-commit");
+        db::commit_with(client, statements.insert_outbox(client, &outcomes, channel)).await?;
+        Ok(states)
+    };
+    match finished.await {
+        Ok(states) => {
+            open.ended();
+            crash_point!("after-outcome-commit");
+            Ok(states)
+        }
+        Err(e) => {
+            open.roll_back().await;
+            Err(e)
+        }
+    }
 }
 
 /// Retries work the database cannot do now (down, read-only, out of space) with backoff, for

@@ -207,10 +207,7 @@ pub async fn record_batch(
     // 1. Which records and event ids were seen before: redeliveries and producer retries. The
     // reads take no locks and see what is committed, in the transaction or not (read
     // committed), so they need not wait for the `begin`; every write comes after both.
-    let (_, seen) = futures::try_join!(
-        async { tx.batch_execute("begin").await.map_err(DbError::from) },
-        seen_before(tx, items)
-    )?;
+    let seen = crate::db::begin_with(tx, seen_before(tx, items)).await?;
     let arrivals = classify::arrivals(items, &seen.records, seen.events);
     let (mut to_insert, mut pending, again) = rec.sort(items, arrivals, &seen.direct);
     // 2. Gates that refuse a new key before it is recorded.
@@ -381,12 +378,13 @@ impl Recording {
             .await
             .map_err(DbError::from)
         };
-        let commit = async { tx.batch_execute("commit").await.map_err(DbError::from) };
-        let (_, answers, ()) = futures::try_join!(
-            record_deliveries,
-            insert_outbox_prepared(tx, &outbox_statement, &outbox, channel),
-            commit
-        )?;
+        let (_, answers) = crate::db::commit_with(tx, async {
+            futures::try_join!(
+                record_deliveries,
+                insert_outbox_prepared(tx, &outbox_statement, &outbox, channel)
+            )
+        })
+        .await?;
         result.answers += answers;
         Ok(result)
     }

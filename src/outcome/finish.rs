@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 
 use chrono::{DateTime, Utc};
-use deadpool_postgres::Transaction;
+use deadpool_postgres::{GenericClient, Transaction};
 use serde_json::Value;
 use tokio_postgres::Row;
 
@@ -12,8 +12,9 @@ use crate::db::DbError;
 use crate::execute::claim::{end_attempt, AttemptEnd};
 use crate::intent::IntentStatus;
 use crate::outcome::answer::{self, KeyState};
+use crate::outcome::Outcome;
 use crate::outcome::{OutcomeError, OutcomeStatus};
-use crate::publish::outbox::insert_outbox;
+use crate::publish::outbox::{insert_outbox, insert_outbox_prepared, INSERT_OUTBOX_SQL};
 
 /// The settled state of a call.
 #[derive(Debug, Clone)]
@@ -174,7 +175,7 @@ pub async fn finish(
     Ok(state)
 }
 
-/// One finished call for [`finish_many`].
+/// One finished call for [`FinishStatements::finish`].
 #[derive(Debug, Clone)]
 pub struct Finish {
     pub id: i64,
@@ -244,80 +245,127 @@ pub async fn finish_parked(
 /// Records many calls' results in the caller's transaction: the same as [`finish`] for each,
 /// in three statements for all (the lock and the finish pipelined, then the outbox). An item
 /// whose claim was lost is `None` and writes nothing.
-pub async fn finish_many(
+async fn finish_many(
     tx: &Transaction<'_>,
     items: &[Finish],
     channel: &str,
 ) -> Result<Vec<Option<KeyState>>, DbError> {
-    let ids: Vec<i64> = items.iter().map(|f| f.id).collect();
-    let epochs: Vec<i64> = items.iter().map(|f| f.epoch).collect();
-    let statuses: Vec<&str> = items.iter().map(|f| f.settled.status.as_str()).collect();
-    let results: Vec<Option<Value>> = items.iter().map(|f| f.settled.result.clone()).collect();
-    let errors: Vec<Option<Value>> = items
-        .iter()
-        .map(|f| {
-            f.settled
-                .error
-                .as_ref()
-                .map(|e| serde_json::to_value(e).expect("error serializes"))
+    let statements = FinishStatements::prepare(tx).await?;
+    let (states, outcomes) = statements.finish(tx, items).await?;
+    statements.insert_outbox(tx, &outcomes, channel).await?;
+    Ok(states)
+}
+
+/// The statements of a group's finish, prepared on one connection, so a transaction opened by
+/// hand can send its `begin` with the first and its `commit` with the last
+/// ([`crate::db::begin_with`], [`crate::db::commit_with`]).
+pub(crate) struct FinishStatements {
+    lock: tokio_postgres::Statement,
+    finish: tokio_postgres::Statement,
+    outbox: tokio_postgres::Statement,
+}
+
+impl FinishStatements {
+    pub(crate) async fn prepare(client: &impl GenericClient) -> Result<Self, DbError> {
+        let (lock, finish, outbox) = futures::try_join!(
+            client.prepare_cached(LOCK_MANY),
+            client.prepare_cached(FINISH_MANY),
+            client.prepare_cached(INSERT_OUTBOX_SQL)
+        )?;
+        Ok(FinishStatements {
+            lock,
+            finish,
+            outbox,
         })
-        .collect();
-    let attempts: Vec<i32> = items.iter().map(|f| f.settled.attempts).collect();
-    let ends: Vec<(i64, &AttemptEnd)> = items
-        .iter()
-        .filter_map(|f| f.end.as_ref().map(|e| (f.id, e)))
-        .collect();
-    let end_ids: Vec<i64> = ends.iter().map(|(id, _)| *id).collect();
-    let seqs: Vec<i32> = ends.iter().map(|(_, e)| e.seq).collect();
-    let classes: Vec<&str> = ends.iter().map(|(_, e)| e.classification).collect();
-    let http: Vec<Option<i32>> = ends.iter().map(|(_, e)| e.http_status).collect();
-    let errs: Vec<Option<&str>> = ends.iter().map(|(_, e)| e.error.as_deref()).collect();
-    let latencies: Vec<f64> = ends.iter().map(|(_, e)| e.latency_ms).collect();
-    let (lock, finish) =
-        futures::try_join!(tx.prepare_cached(LOCK_MANY), tx.prepare_cached(FINISH_MANY))?;
-    let lock_params = [&ids as _];
-    let finish_params: [&(dyn tokio_postgres::types::ToSql + Sync); 13] = [
-        &ids,
-        &epochs,
-        &statuses,
-        &results,
-        &errors,
-        &attempts,
-        &IntentStatus::Running.as_str(),
-        &end_ids,
-        &seqs,
-        &classes,
-        &http,
-        &errs,
-        &latencies,
-    ];
-    // Pipelined: one round trip, executed in order.
-    let (_, rows) = futures::try_join!(
-        tx.query(&lock, &lock_params),
-        tx.query(&finish, &finish_params)
-    )?;
-    let by_id: HashMap<i64, &Finish> = items.iter().map(|f| (f.id, f)).collect();
-    let mut finished: HashMap<i64, KeyState> = HashMap::with_capacity(rows.len());
-    let mut outcomes = Vec::with_capacity(rows.len());
-    for row in &rows {
-        let id: i64 = row.get("id");
-        let f = by_id[&id];
-        let returned = FinishedRow::from_row(row);
-        let state = returned.state(&f.settled);
-        let traceparent = returned.traceparent;
-        outcomes.push(answer::status_change(
-            &state,
-            returned.status_seq,
-            traceparent.clone(),
-        ));
-        let waiting: Option<Vec<String>> = row.get("waiting");
-        for event_id in waiting.unwrap_or_default() {
-            if event_id != state.first_event_id {
-                outcomes.push(answer::duplicate(&state, &event_id, traceparent.clone()));
-            }
-        }
-        finished.insert(id, state);
     }
-    insert_outbox(tx, &outcomes, channel).await?;
-    Ok(items.iter().map(|f| finished.remove(&f.id)).collect())
+
+    /// Locks the group's intents and finishes those whose claim still holds, in one round
+    /// trip: each item's key state (`None` when its claim was lost) and the outcome events to
+    /// write ([`Self::insert_outbox`]), the status changes and the answers to waiting repeats.
+    pub(crate) async fn finish(
+        &self,
+        client: &impl GenericClient,
+        items: &[Finish],
+    ) -> Result<(Vec<Option<KeyState>>, Vec<Outcome>), DbError> {
+        let ids: Vec<i64> = items.iter().map(|f| f.id).collect();
+        let epochs: Vec<i64> = items.iter().map(|f| f.epoch).collect();
+        let statuses: Vec<&str> = items.iter().map(|f| f.settled.status.as_str()).collect();
+        let results: Vec<Option<Value>> = items.iter().map(|f| f.settled.result.clone()).collect();
+        let errors: Vec<Option<Value>> = items
+            .iter()
+            .map(|f| {
+                f.settled
+                    .error
+                    .as_ref()
+                    .map(|e| serde_json::to_value(e).expect("error serializes"))
+            })
+            .collect();
+        let attempts: Vec<i32> = items.iter().map(|f| f.settled.attempts).collect();
+        let ends: Vec<(i64, &AttemptEnd)> = items
+            .iter()
+            .filter_map(|f| f.end.as_ref().map(|e| (f.id, e)))
+            .collect();
+        let end_ids: Vec<i64> = ends.iter().map(|(id, _)| *id).collect();
+        let seqs: Vec<i32> = ends.iter().map(|(_, e)| e.seq).collect();
+        let classes: Vec<&str> = ends.iter().map(|(_, e)| e.classification).collect();
+        let http: Vec<Option<i32>> = ends.iter().map(|(_, e)| e.http_status).collect();
+        let errs: Vec<Option<&str>> = ends.iter().map(|(_, e)| e.error.as_deref()).collect();
+        let latencies: Vec<f64> = ends.iter().map(|(_, e)| e.latency_ms).collect();
+        let lock_params = [&ids as _];
+        let finish_params: [&(dyn tokio_postgres::types::ToSql + Sync); 13] = [
+            &ids,
+            &epochs,
+            &statuses,
+            &results,
+            &errors,
+            &attempts,
+            &IntentStatus::Running.as_str(),
+            &end_ids,
+            &seqs,
+            &classes,
+            &http,
+            &errs,
+            &latencies,
+        ];
+        // Pipelined: one round trip, executed in order.
+        let (_, rows) = futures::try_join!(
+            client.query(&self.lock, &lock_params),
+            client.query(&self.finish, &finish_params)
+        )?;
+        let by_id: HashMap<i64, &Finish> = items.iter().map(|f| (f.id, f)).collect();
+        let mut finished: HashMap<i64, KeyState> = HashMap::with_capacity(rows.len());
+        let mut outcomes = Vec::with_capacity(rows.len());
+        for row in &rows {
+            let id: i64 = row.get("id");
+            let f = by_id[&id];
+            let returned = FinishedRow::from_row(row);
+            let state = returned.state(&f.settled);
+            let traceparent = returned.traceparent;
+            outcomes.push(answer::status_change(
+                &state,
+                returned.status_seq,
+                traceparent.clone(),
+            ));
+            let waiting: Option<Vec<String>> = row.get("waiting");
+            for event_id in waiting.unwrap_or_default() {
+                if event_id != state.first_event_id {
+                    outcomes.push(answer::duplicate(&state, &event_id, traceparent.clone()));
+                }
+            }
+            finished.insert(id, state);
+        }
+        let states = items.iter().map(|f| finished.remove(&f.id)).collect();
+        Ok((states, outcomes))
+    }
+
+    /// Writes the group's outcome events to the outbox; the request goes out when the future
+    /// is first polled.
+    pub(crate) async fn insert_outbox(
+        &self,
+        client: &impl GenericClient,
+        outcomes: &[Outcome],
+        channel: &str,
+    ) -> Result<usize, DbError> {
+        insert_outbox_prepared(client, &self.outbox, outcomes, channel).await
+    }
 }

@@ -9,4 +9,4 @@ pub use event::{
     outcome_id, storable_result, too_large, ErrorCode, Outcome, OutcomeData, OutcomeError,
     OutcomeStatus, OUTCOME_SOURCE, OUTCOME_TYPE,
 };
-pub(crate) use finish::{finish, finish_many, finish_parked, Finish, FinishError, Guard, Settled};
+pub(crate) use finish::{finish, finish_parked, Finish, FinishError, Guard, Settled};

@@ -2,7 +2,7 @@
 //! LISTEN/NOTIFY with a polling fallback. Rows are marked published only after Kafka
 //! acknowledged them, so a crash in between republishes the same event ids.
 
-use crate::publish::outbox::OutboxRow;
+use crate::publish::outbox::{OutboxRow, RoundStatements};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -35,6 +35,21 @@ pub enum PublishError {
 }
 
 crate::db::from_postgres!(PublishError);
+
+/// A publisher round's failure, and whether its transaction had ended (committed) by then.
+struct RoundError {
+    ended: bool,
+    error: PublishError,
+}
+
+impl<E: Into<PublishError>> From<E> for RoundError {
+    fn from(e: E) -> Self {
+        RoundError {
+            ended: false,
+            error: e.into(),
+        }
+    }
+}
 
 pub struct Publisher {
     pub config: Arc<Config>,
@@ -100,11 +115,31 @@ impl Publisher {
     }
 
     /// One batch: lock unpublished rows, send them all, wait for every acknowledgement, mark.
+    /// Its transaction is two round trips: the `begin` goes out with the select, the `commit`
+    /// with the mark.
     pub async fn publish_once(&self) -> Result<usize, PublishError> {
-        let mut client = self.pool.get().await.map_err(DbError::from)?;
-        let tx = client.transaction().await?;
-        let rows = crate::publish::outbox::unpublished(&tx, GROUP_MAX).await?;
+        let open = db::OpenTransaction::new(self.pool.get().await.map_err(DbError::from)?);
+        match self.publish_round(open.client()).await {
+            Ok(n) => {
+                open.ended();
+                Ok(n)
+            }
+            Err(RoundError { ended, error }) => {
+                if ended {
+                    open.ended();
+                } else {
+                    open.roll_back().await;
+                }
+                Err(error)
+            }
+        }
+    }
+
+    async fn publish_round(&self, client: &deadpool_postgres::Object) -> Result<usize, RoundError> {
+        let statements = RoundStatements::prepare(client).await?;
+        let rows = db::begin_with(client, statements.unpublished(client, GROUP_MAX)).await?;
         if rows.is_empty() {
+            client.batch_execute("commit").await?;
             return Ok(0);
         }
         let started = std::time::SystemTime::now();
@@ -168,12 +203,11 @@ impl Publisher {
             }
         }
         crate::failpoint::crash_point!("after-publish-before-mark");
-        crate::publish::outbox::mark_published(&tx, &acked).await?;
         for (row, e) in &refused {
             let reason = format!("the producer refused it: {e}");
-            crate::publish::outbox::quarantine(&tx, row.id, &reason).await?;
+            crate::publish::outbox::quarantine(client, row.id, &reason).await?;
         }
-        tx.commit().await?;
+        db::commit_with(client, statements.mark_published(client, &acked)).await?;
         self.metrics.published(topic, acked.len() as u64);
         if crate::telemetry::enabled() {
             let published: Vec<&OutboxRow> =
@@ -184,9 +218,9 @@ impl Publisher {
             self.metrics.outbox_quarantined();
             tracing::error!(event_id = %row.event_id, key = %row.key, error = %e, "outcome event refused by the producer for good; quarantined in the outbox");
         }
-        if let Some(e) = failed {
+        if let Some(error) = failed {
             self.producer.heal(generation, &self.metrics);
-            return Err(e);
+            return Err(RoundError { ended: true, error });
         }
         Ok(rows.len())
     }

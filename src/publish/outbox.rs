@@ -1,8 +1,8 @@
 //! Outbox rows: written with the state change they announce, read and marked by the publisher.
 
+use deadpool_postgres::GenericClient;
 use deadpool_postgres::Transaction;
 use serde_json::Value;
-use tokio_postgres::GenericClient;
 
 use crate::db::DbError;
 use crate::intent::sql::INSERT_OUTBOX;
@@ -67,8 +67,8 @@ const QUARANTINE: &str = "
     update outbox set quarantined_at = now(), quarantine_reason = $2 where id = $1";
 
 /// Sets aside an outbox row the producer refuses for good, with the reason.
-pub async fn quarantine(tx: &Transaction<'_>, id: i64, reason: &str) -> Result<(), DbError> {
-    tx.execute(QUARANTINE, &[&id, &reason]).await?;
+pub async fn quarantine(client: &impl GenericClient, id: i64, reason: &str) -> Result<(), DbError> {
+    client.execute(QUARANTINE, &[&id, &reason]).await?;
     Ok(())
 }
 
@@ -76,28 +76,56 @@ const OUTBOX_LAG: &str = "
     select count(*), coalesce(extract(epoch from now() - min(created_at))::float8, 0)
       from outbox where published_at is null and quarantined_at is null";
 
-pub async fn unpublished(tx: &Transaction<'_>, limit: i64) -> Result<Vec<OutboxRow>, DbError> {
-    Ok(tx
-        .query(&tx.prepare_cached(SELECT_UNPUBLISHED).await?, &[&limit])
-        .await?
-        .iter()
-        .map(|r| OutboxRow {
-            id: r.get("id"),
-            event_id: r.get("event_id"),
-            key: r.get("kafka_key"),
-            payload: r.get("payload"),
-            traceparent: r.get("traceparent"),
-        })
-        .collect())
+/// The statements of a publisher's round, prepared on its connection so its transaction can
+/// send its `begin` with the select and its `commit` with the mark.
+pub(crate) struct RoundStatements {
+    select: tokio_postgres::Statement,
+    mark: tokio_postgres::Statement,
 }
 
-pub async fn mark_published(tx: &Transaction<'_>, ids: &[i64]) -> Result<(), DbError> {
-    tx.execute(&tx.prepare_cached(MARK_PUBLISHED).await?, &[&ids])
-        .await?;
-    Ok(())
+impl RoundStatements {
+    pub(crate) async fn prepare(client: &impl GenericClient) -> Result<Self, DbError> {
+        let (select, mark) = futures::try_join!(
+            client.prepare_cached(SELECT_UNPUBLISHED),
+            client.prepare_cached(MARK_PUBLISHED)
+        )?;
+        Ok(RoundStatements { select, mark })
+    }
+
+    /// Locks up to `limit` unpublished rows, oldest first, skipping those another round holds.
+    pub(crate) async fn unpublished(
+        &self,
+        client: &impl GenericClient,
+        limit: i64,
+    ) -> Result<Vec<OutboxRow>, DbError> {
+        Ok(client
+            .query(&self.select, &[&limit])
+            .await?
+            .iter()
+            .map(|r| OutboxRow {
+                id: r.get("id"),
+                event_id: r.get("event_id"),
+                key: r.get("kafka_key"),
+                payload: r.get("payload"),
+                traceparent: r.get("traceparent"),
+            })
+            .collect())
+    }
+
+    /// Marks rows published; the request goes out when the future is first polled.
+    pub(crate) async fn mark_published(
+        &self,
+        client: &impl GenericClient,
+        ids: &[i64],
+    ) -> Result<(), DbError> {
+        client.execute(&self.mark, &[&ids]).await?;
+        Ok(())
+    }
 }
 
-pub async fn outbox_lag(client: &impl GenericClient) -> Result<(i64, f64), DbError> {
+pub async fn outbox_lag(
+    client: &impl tokio_postgres::GenericClient,
+) -> Result<(i64, f64), DbError> {
     let row = client.query_one(OUTBOX_LAG, &[]).await?;
     Ok((row.get(0), row.get(1)))
 }
