@@ -20,13 +20,14 @@ use serde_json::json;
 /// Every failpoint in turn: each relay incarnation is armed with one of them, firing with a
 /// small probability each time it is reached, so a relay lives for a while and then dies at
 /// that step (a relay armed at every step at once would hardly get anything done).
-const FAILPOINTS: [&str; 6] = [
+const FAILPOINTS: [&str; 7] = [
     "before-outcome-commit=2%return",
     "after-intent-commit=5%return",
     "after-outcome-commit=2%return",
     "before-verify=10%return",
     "after-publish-before-mark=5%return",
     "verify-backoff=10%return",
+    "after-direct-answers=5%return",
 ];
 
 const TOOL: &str = r#"

@@ -301,15 +301,23 @@ async fn redelivery_after_a_crash_before_the_offset_commit_executes_once() {
 /// same event id, and nothing runs twice.
 #[tokio::test]
 async fn a_crash_before_a_direct_answer_is_sent_answers_it_after_the_restart() {
+    a_crash_around_a_direct_answer("before-direct-answers=return").await;
+}
+
+/// The same after Kafka acknowledged the answer, before the batch's offsets were stored (the
+/// consumer records the next batch meanwhile): the record is read again and answered again,
+/// under the same event id.
+#[tokio::test]
+async fn a_crash_after_a_direct_answer_before_its_offset_is_stored_answers_it_again() {
+    a_crash_around_a_direct_answer("after-direct-answers=return").await;
+}
+
+async fn a_crash_around_a_direct_answer(failpoint: &str) {
     let env = Env::new().await;
     let dir = tempfile::tempdir().unwrap();
     let config = common::config_file(&env, dir.path(), &email_tool(true), "").await;
     let outcomes = env.outcomes().await;
-    let mut relay = Child::spawn(
-        &config,
-        Some("before-direct-answers=return"),
-        dir.path().join("1.log"),
-    );
+    let mut relay = Child::spawn(&config, Some(failpoint), dir.path().join("1.log"));
     let p = env.producer();
     p.send(&action("direct-1", email("r9", "b1"))).await;
     outcomes.answer("direct-1", "succeeded").await;

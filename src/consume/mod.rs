@@ -56,11 +56,26 @@ impl Consume {
         let consumer = self.consumer.clone();
         let linger = self.config.relay.batch_linger;
         let max = self.config.relay.batch_size;
+        // The last batch's tail (its direct answers' acknowledgements, then its offsets) runs
+        // while the next batch is read and recorded, and ends before that batch's tail begins,
+        // so offsets only move forward. Once a tail could not let its batch's offsets advance
+        // (shutdown came first), no later tail does either.
+        let mut tail: Option<Tail<'_>> = None;
+        let mut advancing = true;
         loop {
             let first = tokio::select! {
                 biased;
                 _ = shutdown.cancelled() => break,
-                m = consumer.recv() => m,
+                stored = drive(&mut tail) => Err(stored),
+                m = consumer.recv() => Ok(m),
+            };
+            let first = match first {
+                Ok(m) => m,
+                Err(stored) => {
+                    advancing &= stored;
+                    tail = None;
+                    continue;
+                }
             };
             let mut batch = Vec::with_capacity(max);
             match first {
@@ -97,7 +112,18 @@ impl Consume {
                     Err(_) => break,
                 }
             }
-            self.process(&batch, &shutdown).await;
+            let previous = async {
+                match tail.take() {
+                    Some(t) => t.await,
+                    None => true,
+                }
+            };
+            let (next, stored) = futures::join!(self.process(&batch, &shutdown), previous);
+            advancing &= stored;
+            tail = next.map(|rest| self.settle(rest, advancing, &shutdown));
+        }
+        if let Some(t) = tail {
+            t.await;
         }
         match consumer.commit_consumer_state(CommitMode::Sync) {
             Ok(()) => {}
@@ -110,7 +136,14 @@ impl Consume {
         }
     }
 
-    async fn process(&self, batch: &[BorrowedMessage<'_>], shutdown: &CancellationToken) {
+    /// Records a batch and dispatches its calls; returns what is left to do (`None` when the
+    /// batch was rewound, to be read again), for [`Consume::settle`] once the previous batch's
+    /// tail has ended.
+    async fn process(
+        &self,
+        batch: &[BorrowedMessage<'_>],
+        shutdown: &CancellationToken,
+    ) -> Option<Unsettled> {
         let started = std::time::SystemTime::now();
         let items: Vec<Incoming> = batch.iter().map(|m| self.decode(m)).collect();
 
@@ -127,8 +160,8 @@ impl Consume {
                     .await
                     .is_err()
                 {
-                    self.rewind(batch);
-                    return;
+                    Positions::of(batch).rewind(&self.consumer);
+                    return None;
                 }
             }
         }
@@ -142,7 +175,7 @@ impl Consume {
                     break r;
                 }
                 // Nothing recorded, so no offset moves: the next relay re-reads this batch.
-                Err(_) if shutdown.is_cancelled() => return,
+                Err(_) if shutdown.is_cancelled() => return None,
                 Err(e) if e.refuses_data() && items.len() > 1 => {
                     // One message the database refuses must not hold the others: record them
                     // one by one and dead-letter what cannot be recorded.
@@ -150,8 +183,8 @@ impl Consume {
                     match self.record_singly(batch, &items, &channel, shutdown).await {
                         Some(r) => break r,
                         None => {
-                            self.rewind(batch);
-                            return;
+                            Positions::of(batch).rewind(&self.consumer);
+                            return None;
                         }
                     }
                 }
@@ -162,7 +195,7 @@ impl Consume {
                     self.metrics.postgres_unavailable("record");
                     RECORD_WAIT.retrying("record", &e);
                     tokio::select! {
-                        _ = shutdown.cancelled() => return,
+                        _ = shutdown.cancelled() => return None,
                         _ = tokio::time::sleep(backoff.after_failure()) => {}
                     }
                 }
@@ -201,28 +234,45 @@ impl Consume {
             self.executor.dispatch(*id, tool).await;
         }
 
-        // Answers sent straight to Kafka must be acknowledged (or handed to the outbox) before
-        // the offsets of the records they answer advance; the calls above wait for neither.
-        if !direct.is_empty() {
+        // Answers sent straight to Kafka are handed to the producer now, in the order of the
+        // batches; their acknowledgements (or the outbox, for what Kafka refuses) are awaited
+        // by the tail, and only then may these offsets advance. The calls above wait for
+        // neither.
+        let sends = (!direct.is_empty()).then(|| {
             crate::failpoint::crash_point!("before-direct-answers");
-            if !self.answer_directly(direct, &channel, shutdown).await {
-                self.rewind(batch);
-                return;
-            }
-        }
+            crate::publish::send_direct(&self.producer, &self.config.kafka.outcomes_topic, direct)
+        });
+        Some(Unsettled {
+            sends,
+            positions: Positions::of(batch),
+            channel,
+        })
+    }
 
-        // The intents are durable: now, and only now, may these offsets advance.
-        let mut high: BTreeMap<(&str, i32), i64> = BTreeMap::new();
-        for m in batch {
-            let e = high.entry((m.topic(), m.partition())).or_insert(m.offset());
-            *e = (*e).max(m.offset());
-        }
-        for ((topic, partition), offset) in high {
-            if let Err(e) = self.consumer.store_offset(topic, partition, offset) {
-                // The partition was revoked meanwhile; its next owner re-reads and dedupes.
-                tracing::debug!(error = %e, topic, partition, "offset not stored");
+    /// A batch's tail: waits for its direct answers, then lets its offsets advance, unless an
+    /// earlier tail could not (`advancing` false). `true` when the offsets were stored.
+    fn settle<'a>(
+        &'a self,
+        rest: Unsettled,
+        advancing: bool,
+        shutdown: &'a CancellationToken,
+    ) -> Tail<'a> {
+        Box::pin(async move {
+            if !advancing {
+                return false;
             }
-        }
+            if let Some(sends) = rest.sends {
+                if !self.answered(sends, &rest.channel, shutdown).await {
+                    rest.positions.rewind(&self.consumer);
+                    return false;
+                }
+                crate::failpoint::crash_point!("after-direct-answers");
+            }
+            // The intents are durable and every answer is out: now, and only now, may these
+            // offsets advance.
+            rest.positions.store(&self.consumer);
+            true
+        })
     }
 
     /// Records a refused batch's messages one at a time; `None` when shutdown came first (no
@@ -298,19 +348,20 @@ impl Consume {
         }
     }
 
-    /// Sends a batch's direct answers and waits for Kafka's acknowledgement; what Kafka does not
+    /// Waits for Kafka's acknowledgement of a batch's direct answers; what Kafka does not
     /// acknowledge goes to the outbox instead (which retries, and quarantines what the producer
     /// refuses for good). `false` when shutdown came before the outbox took them: the batch's
     /// offsets must not move, and its records, read again, are answered again.
-    async fn answer_directly(
+    async fn answered(
         &self,
-        direct: Vec<crate::outcome::Outcome>,
+        sends: crate::publish::DirectSends,
         channel: &str,
         shutdown: &CancellationToken,
     ) -> bool {
         let topic = &self.config.kafka.outcomes_topic;
-        let failed =
-            crate::publish::send_direct(&self.producer, topic, &self.metrics, direct).await;
+        let failed = sends
+            .acknowledged(&self.producer, topic, &self.metrics)
+            .await;
         if failed.is_empty() {
             return true;
         }
@@ -453,27 +504,64 @@ impl Consume {
             }
         }
     }
+}
 
-    /// Reads a batch again later: each of its partitions goes back to the batch's first offset
-    /// there (nothing of the batch was recorded, or what was is read again as redeliveries).
-    fn rewind(&self, batch: &[BorrowedMessage<'_>]) {
-        let mut first: BTreeMap<(&str, i32), i64> = BTreeMap::new();
+/// What is left of a recorded batch: its direct answers' acknowledgements, then its offsets.
+struct Unsettled {
+    sends: Option<crate::publish::DirectSends>,
+    positions: Positions,
+    channel: String,
+}
+
+/// A batch's tail under way ([`Consume::settle`]): `true` once its offsets are stored.
+type Tail<'a> = std::pin::Pin<Box<dyn std::future::Future<Output = bool> + Send + 'a>>;
+
+/// Runs the tail in hand to its end; never ends without one.
+async fn drive(tail: &mut Option<Tail<'_>>) -> bool {
+    match tail {
+        Some(t) => t.await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Where a batch's messages lie: each partition's first and last offset in it.
+struct Positions(BTreeMap<(String, i32), (i64, i64)>);
+
+impl Positions {
+    fn of(batch: &[BorrowedMessage<'_>]) -> Self {
+        let mut range: BTreeMap<(String, i32), (i64, i64)> = BTreeMap::new();
         for m in batch {
-            let e = first
-                .entry((m.topic(), m.partition()))
-                .or_insert(m.offset());
-            *e = (*e).min(m.offset());
+            let (first, last) = range
+                .entry((m.topic().to_string(), m.partition()))
+                .or_insert((m.offset(), m.offset()));
+            *first = (*first).min(m.offset());
+            *last = (*last).max(m.offset());
         }
-        for ((topic, partition), offset) in first {
-            if let Err(e) = self.consumer.seek(
+        Positions(range)
+    }
+
+    /// Lets the batch's offsets advance to its last message in each partition.
+    fn store(&self, consumer: &ActionConsumer) {
+        for ((topic, partition), (_, last)) in &self.0 {
+            if let Err(e) = consumer.store_offset(topic, *partition, *last) {
+                // The partition was revoked meanwhile; its next owner re-reads and dedupes.
+                tracing::debug!(error = %e, topic, partition, "offset not stored");
+            }
+        }
+    }
+
+    /// Seeks each partition back to the batch's first message, so it is read again.
+    fn rewind(&self, consumer: &ActionConsumer) {
+        for ((topic, partition), (first, _)) in &self.0 {
+            if let Err(e) = consumer.seek(
                 topic,
-                partition,
-                rdkafka::Offset::Offset(offset),
+                *partition,
+                rdkafka::Offset::Offset(*first),
                 Duration::from_secs(5),
             ) {
                 // Revoked meanwhile, or the seek failed: the offset was not stored, so the
                 // next owner (or this consumer after a rebalance) reads it again.
-                tracing::warn!(error = %e, topic, partition, offset, "cannot rewind the partition");
+                tracing::warn!(error = %e, topic, partition, offset = first, "cannot rewind the partition");
             }
         }
     }

@@ -335,18 +335,20 @@ fn outcome_headers(payload: &serde_json::Value, traceparent: Option<&str>) -> Ow
     headers
 }
 
-/// Sends answers straight to the outcomes topic (no outbox row) and waits for every
-/// acknowledgement; returns the ones Kafka did not acknowledge, for the outbox to carry.
-pub async fn send_direct(
+/// Hands answers to the producer for the outcomes topic (no outbox row), in order; their
+/// acknowledgements are awaited with [`DirectSends::acknowledged`].
+pub fn send_direct(
     producer: &crate::kafka::SharedProducer,
     topic: &str,
-    metrics: &Metrics,
     answers: Vec<crate::outcome::Outcome>,
-) -> Vec<crate::outcome::Outcome> {
+) -> DirectSends {
     let (generation, p) = producer.get();
-    let mut pending = Vec::with_capacity(answers.len());
-    let mut failed = Vec::new();
-    let mut healing = false;
+    let mut sends = DirectSends {
+        generation,
+        pending: Vec::with_capacity(answers.len()),
+        failed: Vec::new(),
+        healing: false,
+    };
     for answer in answers {
         let payload = serde_json::to_vec(&answer.payload).expect("json serializes");
         let record = FutureRecord::to(topic)
@@ -357,34 +359,61 @@ pub async fn send_direct(
                 answer.traceparent.as_deref(),
             ));
         match p.send_result(record) {
-            Ok(delivery) => pending.push((answer, delivery)),
+            Ok(delivery) => sends.pending.push((answer, delivery)),
             Err((e, _)) => {
-                healing |= !refused_for_good(&e);
+                sends.healing |= !refused_for_good(&e);
                 tracing::debug!(error = %e, event_id = %answer.event_id, "direct answer not enqueued; the outbox carries it");
-                failed.push(answer);
+                sends.failed.push(answer);
             }
         }
     }
-    let mut acked = 0;
-    for (answer, delivery) in pending {
-        match delivery.await {
-            Ok(Ok(_)) => acked += 1,
-            Ok(Err((e, _))) => {
-                healing |= !refused_for_good(&e);
-                tracing::debug!(error = %e, event_id = %answer.event_id, "direct answer not acknowledged; the outbox carries it");
-                failed.push(answer);
-            }
-            Err(_) => {
-                healing = true;
-                failed.push(answer);
+    sends
+}
+
+/// Direct answers in the producer's queue, in the order they were handed to it.
+pub struct DirectSends {
+    generation: u64,
+    pending: Vec<(crate::outcome::Outcome, rdkafka::producer::DeliveryFuture)>,
+    failed: Vec<crate::outcome::Outcome>,
+    healing: bool,
+}
+
+impl DirectSends {
+    /// Waits for Kafka's acknowledgement of every answer; returns those not acknowledged (nor
+    /// enqueued), for the outbox.
+    pub async fn acknowledged(
+        self,
+        producer: &crate::kafka::SharedProducer,
+        topic: &str,
+        metrics: &Metrics,
+    ) -> Vec<crate::outcome::Outcome> {
+        let DirectSends {
+            generation,
+            pending,
+            mut failed,
+            mut healing,
+        } = self;
+        let mut acked = 0;
+        for (answer, delivery) in pending {
+            match delivery.await {
+                Ok(Ok(_)) => acked += 1,
+                Ok(Err((e, _))) => {
+                    healing |= !refused_for_good(&e);
+                    tracing::debug!(error = %e, event_id = %answer.event_id, "direct answer not acknowledged; the outbox carries it");
+                    failed.push(answer);
+                }
+                Err(_) => {
+                    healing = true;
+                    failed.push(answer);
+                }
             }
         }
+        metrics.published(topic, acked);
+        if healing {
+            producer.heal(generation, metrics);
+        }
+        failed
     }
-    metrics.published(topic, acked);
-    if healing {
-        producer.heal(generation, metrics);
-    }
-    failed
 }
 
 /// The creation time and incoming `traceparent` of each key, for its spans.
