@@ -775,6 +775,87 @@ async fn an_outbox_row_the_producer_refuses_is_quarantined_and_the_rest_go_out()
     relay.stop().await;
 }
 
+/// Unpublished outbox rows are queued by id (schema migration 9) whoever writes them. A row
+/// written before the queue existed is queued by the migration and published once; a queued
+/// row that a relay of the previous version published meanwhile (it marks `published_at` and
+/// knows nothing of the queue) leaves the queue without going out again.
+#[tokio::test]
+async fn outbox_rows_from_before_the_queue_or_published_by_an_older_relay_go_out_once() {
+    let env = Env::new().await;
+    let outcomes = env.outcomes().await;
+    let config = env.config(EMAIL, "").await;
+    let pg = env.pg().await;
+    let outcome = |event: &str| json!({"id": format!("o-{event}"), "data": {"action_event_id": event, "status": "succeeded"}});
+    // The schema as migration 8 left it, and a row written then.
+    pg.batch_execute(
+        "drop table outbox_pending;
+         drop function outbox_pending_add() cascade;
+         delete from idem_schema_versions where version = 9",
+    )
+    .await
+    .unwrap();
+    pg.execute(
+        "insert into outbox (event_id, kafka_key, payload) values ('o-before', 'k1', $1)",
+        &[&outcome("before")],
+    )
+    .await
+    .unwrap();
+    idem::db::migrate(&config.postgres).await.expect("migrate");
+    // Written after, and published by an older relay before this one starts.
+    pg.execute(
+        "insert into outbox (event_id, kafka_key, payload) values ('o-older', 'k2', $1)",
+        &[&outcome("older")],
+    )
+    .await
+    .unwrap();
+    let queued: i64 = pg
+        .query_one("select count(*) from outbox_pending", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(
+        queued, 2,
+        "both rows queued, by the migration and by the trigger"
+    );
+    pg.execute(
+        "update outbox set published_at = '2020-01-01Z' where event_id = 'o-older'",
+        &[],
+    )
+    .await
+    .unwrap();
+
+    let relay = env.start(config).await;
+    env.producer()
+        .send(&action("after", email("rq", "b1", "hello")))
+        .await;
+    outcomes.answer("before", "succeeded").await;
+    outcomes.answer("after", "succeeded").await;
+    common::eventually("the queue emptied", Duration::from_secs(30), || async {
+        let left: i64 = pg
+            .query_one("select count(*) from outbox_pending", &[])
+            .await
+            .unwrap()
+            .get(0);
+        left == 0
+    })
+    .await;
+    assert_eq!(outcomes.answers("before").len(), 1);
+    let marked: String = pg
+        .query_one(
+            "select published_at::date::text from outbox where event_id = 'o-older'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(
+        marked, "2020-01-01",
+        "a row published by an older relay went out again"
+    );
+    assert!(outcomes.answers("older").is_empty());
+    relay.stop().await;
+}
+
 const SLOW_SQL: &str = r#"
 [[tools]]
 name = "slow_sql"

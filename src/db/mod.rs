@@ -54,6 +54,11 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "0008_direct_answers",
         include_str!("../../schemas/postgres/0008_direct_answers.sql"),
     ),
+    (
+        9,
+        "0009_outbox_pending",
+        include_str!("../../schemas/postgres/0009_outbox_pending.sql"),
+    ),
 ];
 
 /// Lets `?` turn a driver error into a stage's error whose `Db` variant wraps [`DbError`]: the

@@ -106,8 +106,16 @@ impl Publisher {
         self.update_lag().await;
     }
 
+    /// Every two seconds: the outbox lag for the metrics, and a vacuum of the queue of
+    /// unpublished rows.
     async fn update_lag(&self) {
         if let Ok(client) = self.pool.get().await {
+            if let Err(e) = client
+                .batch_execute(crate::publish::outbox::VACUUM_QUEUE)
+                .await
+            {
+                tracing::debug!(error = %e, "the outbox queue was not vacuumed");
+            }
             if let Ok((pending, age)) = crate::publish::outbox::outbox_lag(&**client).await {
                 self.metrics.outbox(pending, age);
             }
@@ -138,10 +146,15 @@ impl Publisher {
     async fn publish_round(&self, client: &deadpool_postgres::Object) -> Result<usize, RoundError> {
         let statements = RoundStatements::prepare(client).await?;
         let rows = db::begin_with(client, statements.unpublished(client, GROUP_MAX)).await?;
-        if rows.is_empty() {
+        let fetched = rows.len();
+        if fetched == 0 {
             client.batch_execute("commit").await?;
             return Ok(0);
         }
+        // Queued rows that a relay of an earlier version published (or quarantined) already:
+        // only dropped from the queue.
+        let (rows, stale): (Vec<OutboxRow>, Vec<OutboxRow>) =
+            rows.into_iter().partition(|r| r.live);
         let started = std::time::SystemTime::now();
         let topic = &self.config.kafka.outcomes_topic;
         let (generation, producer) = self.producer.get();
@@ -207,7 +220,12 @@ impl Publisher {
             let reason = format!("the producer refused it: {e}");
             crate::publish::outbox::quarantine(client, row.id, &reason).await?;
         }
-        db::commit_with(client, statements.mark_published(client, &acked)).await?;
+        let dequeued: Vec<i64> = acked
+            .iter()
+            .copied()
+            .chain(stale.iter().map(|r| r.id))
+            .collect();
+        db::commit_with(client, statements.mark_published(client, &acked, &dequeued)).await?;
         self.metrics.published(topic, acked.len() as u64);
         if crate::telemetry::enabled() {
             let published: Vec<&OutboxRow> =
@@ -222,7 +240,7 @@ impl Publisher {
             self.producer.heal(generation, &self.metrics);
             return Err(RoundError { ended: true, error });
         }
-        Ok(rows.len())
+        Ok(fetched)
     }
 
     /// Exports a `send` span for each published outcome, and the action's own span once its

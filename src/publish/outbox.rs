@@ -48,22 +48,33 @@ pub(crate) async fn insert_outbox_prepared(
 #[derive(Debug)]
 pub struct OutboxRow {
     pub id: i64,
+    /// Still to publish; `false` for a queued row another relay published or quarantined.
+    pub live: bool,
     pub event_id: String,
     pub key: String,
     pub payload: Value,
     pub traceparent: Option<String>,
 }
 
+// The oldest queued rows (schema migration 9), locked; a queued row whose outbox row is already
+// published or quarantined (by a relay of an earlier version) comes back too, `live` false, so
+// the round drops it from the queue.
 const SELECT_UNPUBLISHED: &str = "
-    select id, event_id, kafka_key, payload, traceparent from outbox
-     where published_at is null and quarantined_at is null
-     order by id
+    select o.id, o.event_id, o.kafka_key, o.payload, o.traceparent,
+           o.published_at is null and o.quarantined_at is null as live
+      from outbox_pending p join outbox o on o.id = p.id
+     order by p.id
      limit $1
-     for update skip locked";
+     for update of o skip locked";
 
-const MARK_PUBLISHED: &str = "update outbox set published_at = now() where id = any($1)";
+// Published: out of the queue, and marked (relays of earlier versions look for unpublished
+// rows by `published_at`; `explain` shows it).
+const MARK_PUBLISHED: &str = "
+    with dequeued as (delete from outbox_pending where id = any($2))
+    update outbox set published_at = now() where id = any($1)";
 
 const QUARANTINE: &str = "
+    with dequeued as (delete from outbox_pending where id = $1)
     update outbox set quarantined_at = now(), quarantine_reason = $2 where id = $1";
 
 /// Sets aside an outbox row the producer refuses for good, with the reason.
@@ -72,9 +83,16 @@ pub async fn quarantine(client: &impl GenericClient, id: i64, reason: &str) -> R
     Ok(())
 }
 
-const OUTBOX_LAG: &str = "
-    select count(*), coalesce(extract(epoch from now() - min(created_at))::float8, 0)
-      from outbox where published_at is null and quarantined_at is null";
+/// How many outbox rows wait to be published, and the age of the oldest.
+pub(crate) const OUTBOX_LAG: &str = "
+    select count(*), coalesce(extract(epoch from now() - min(o.created_at))::float8, 0)
+      from outbox_pending p join outbox o on o.id = p.id
+     where o.published_at is null and o.quarantined_at is null";
+
+/// Vacuums the queue of unpublished rows, so the publisher's reads do not walk the entries of
+/// rows published since (autovacuum visits a table at most once a minute). Refused with a
+/// warning, and harmless, when the relay's role does not own the table.
+pub(crate) const VACUUM_QUEUE: &str = "vacuum outbox_pending";
 
 /// The statements of a publisher's round, prepared on its connection so its transaction can
 /// send its `begin` with the select and its `commit` with the mark.
@@ -104,6 +122,7 @@ impl RoundStatements {
             .iter()
             .map(|r| OutboxRow {
                 id: r.get("id"),
+                live: r.get("live"),
                 event_id: r.get("event_id"),
                 key: r.get("kafka_key"),
                 payload: r.get("payload"),
@@ -112,13 +131,16 @@ impl RoundStatements {
             .collect())
     }
 
-    /// Marks rows published; the request goes out when the future is first polled.
+    /// Marks rows published (`published`) and drops rows from the queue (`dequeued`: those and
+    /// the queued rows found published already); the request goes out when the future is first
+    /// polled.
     pub(crate) async fn mark_published(
         &self,
         client: &impl GenericClient,
-        ids: &[i64],
+        published: &[i64],
+        dequeued: &[i64],
     ) -> Result<(), DbError> {
-        client.execute(&self.mark, &[&ids]).await?;
+        client.execute(&self.mark, &[&published, &dequeued]).await?;
         Ok(())
     }
 }

@@ -136,11 +136,7 @@ pub async fn overview(pool: &Pool) -> Result<Overview, DbError> {
         .map(|r| (r.get(0), r.get(1)))
         .collect();
     let outbox = client
-        .query_one(
-            "select count(*), coalesce(extract(epoch from now() - min(created_at)), 0)::float8
-               from outbox where published_at is null and quarantined_at is null",
-            &[],
-        )
+        .query_one(crate::publish::outbox::OUTBOX_LAG, &[])
         .await?;
     let leases = client
         .query(
