@@ -9,9 +9,11 @@
 -- upgrade) are queued too; those relays still find and mark rows by `published_at`, which every
 -- version keeps setting, and a queued row whose outbox row is published or quarantined is
 -- dropped from the queue when the publisher meets it.
+-- Never truncated by a vacuum: that takes an exclusive lock, and the pages at the end of a queue
+-- empty all the time.
 create table outbox_pending (
     id bigint primary key
-);
+) with (vacuum_truncate = false);
 
 insert into outbox_pending (id)
 select id from outbox where published_at is null and quarantined_at is null;

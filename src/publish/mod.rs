@@ -69,6 +69,8 @@ impl Publisher {
         final_grace: Duration,
     ) {
         let mut last_lag = Instant::now() - Duration::from_secs(10);
+        // The queue's vacuum runs beside the rounds, never in their way.
+        let vacuum = tokio::spawn(vacuum_queue(self.pool.clone(), drained.clone()));
         loop {
             let full = match self.publish_once().await {
                 Ok(n) => n as i64 == GROUP_MAX,
@@ -91,6 +93,7 @@ impl Publisher {
             }
         }
         let _ = shutdown;
+        vacuum.abort();
         // Everything the executor recorded before stopping goes out now.
         let deadline = Instant::now() + final_grace;
         while Instant::now() < deadline {
@@ -106,16 +109,8 @@ impl Publisher {
         self.update_lag().await;
     }
 
-    /// Every two seconds: the outbox lag for the metrics, and a vacuum of the queue of
-    /// unpublished rows.
     async fn update_lag(&self) {
         if let Ok(client) = self.pool.get().await {
-            if let Err(e) = client
-                .batch_execute(crate::publish::outbox::VACUUM_QUEUE)
-                .await
-            {
-                tracing::debug!(error = %e, "the outbox queue was not vacuumed");
-            }
             if let Ok((pending, age)) = crate::publish::outbox::outbox_lag(&**client).await {
                 self.metrics.outbox(pending, age);
             }
@@ -431,6 +426,24 @@ impl DirectSends {
             producer.heal(generation, metrics);
         }
         failed
+    }
+}
+
+/// Vacuums the queue of unpublished outbox rows every two seconds until `stop`.
+async fn vacuum_queue(pool: Pool, stop: CancellationToken) {
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tokio::time::sleep(Duration::from_secs(2)) => {}
+        }
+        if let Ok(client) = pool.get().await {
+            if let Err(e) = client
+                .batch_execute(crate::publish::outbox::VACUUM_QUEUE)
+                .await
+            {
+                tracing::debug!(error = %e, "the outbox queue was not vacuumed");
+            }
+        }
     }
 }
 

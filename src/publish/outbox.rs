@@ -90,9 +90,12 @@ pub(crate) const OUTBOX_LAG: &str = "
      where o.published_at is null and o.quarantined_at is null";
 
 /// Vacuums the queue of unpublished rows, so the publisher's reads do not walk the entries of
-/// rows published since (autovacuum visits a table at most once a minute). Refused with a
-/// warning, and harmless, when the relay's role does not own the table.
-pub(crate) const VACUUM_QUEUE: &str = "vacuum outbox_pending";
+/// rows published since (autovacuum visits a table at most once a minute): its index always
+/// (`index_cleanup`), never truncating (an exclusive lock), and not at all while another
+/// vacuum holds the table (`skip_locked`). Refused with a warning, and harmless, when the
+/// relay's role does not own the table.
+pub(crate) const VACUUM_QUEUE: &str =
+    "vacuum (skip_locked, truncate false, index_cleanup on) outbox_pending";
 
 /// The statements of a publisher's round, prepared on its connection so its transaction can
 /// send its `begin` with the select and its `commit` with the mark.
