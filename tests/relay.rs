@@ -739,12 +739,7 @@ async fn an_outbox_row_the_producer_refuses_is_quarantined_and_the_rest_go_out()
     let config = env.config(EMAIL, "").await;
     let pg = env.pg().await;
     let huge = json!({"data": {"blob": "x".repeat(1_500_000)}});
-    pg.execute(
-        "insert into outbox (event_id, kafka_key, payload) values ('poison', 'k', $1)",
-        &[&huge],
-    )
-    .await
-    .unwrap();
+    insert_outbox_row(&pg, "poison", "k", &huge).await;
     let relay = env.start(config).await;
     env.producer()
         .send(&action("after", email("rq", "b1", "hello")))
@@ -794,27 +789,13 @@ async fn outbox_rows_from_before_the_queue_or_published_by_an_older_relay_go_out
     )
     .await
     .unwrap();
-    pg.execute(
-        "insert into outbox (event_id, kafka_key, payload) values ('o-before', 'k1', $1)",
-        &[&outcome("before")],
-    )
-    .await
-    .unwrap();
+    insert_outbox_row(&pg, "o-before", "k1", &outcome("before")).await;
     idem::db::migrate(&config.postgres).await.expect("migrate");
     // Written after, and published by an older relay before this one starts.
-    pg.execute(
-        "insert into outbox (event_id, kafka_key, payload) values ('o-older', 'k2', $1)",
-        &[&outcome("older")],
-    )
-    .await
-    .unwrap();
-    let queued: i64 = pg
-        .query_one("select count(*) from outbox_pending", &[])
-        .await
-        .unwrap()
-        .get(0);
+    insert_outbox_row(&pg, "o-older", "k2", &outcome("older")).await;
     assert_eq!(
-        queued, 2,
+        queued(&pg).await,
+        2,
         "both rows queued, by the migration and by the trigger"
     );
     pg.execute(
@@ -831,12 +812,7 @@ async fn outbox_rows_from_before_the_queue_or_published_by_an_older_relay_go_out
     outcomes.answer("before", "succeeded").await;
     outcomes.answer("after", "succeeded").await;
     common::eventually("the queue emptied", Duration::from_secs(30), || async {
-        let left: i64 = pg
-            .query_one("select count(*) from outbox_pending", &[])
-            .await
-            .unwrap()
-            .get(0);
-        left == 0
+        queued(&pg).await == 0
     })
     .await;
     assert_eq!(outcomes.answers("before").len(), 1);
@@ -854,6 +830,29 @@ async fn outbox_rows_from_before_the_queue_or_published_by_an_older_relay_go_out
     );
     assert!(outcomes.answers("older").is_empty());
     relay.stop().await;
+}
+
+/// Writes an outbox row as a relay would (or a bug elsewhere could).
+async fn insert_outbox_row(
+    pg: &tokio_postgres::Client,
+    event_id: &str,
+    key: &str,
+    payload: &serde_json::Value,
+) {
+    pg.execute(
+        "insert into outbox (event_id, kafka_key, payload) values ($1, $2, $3)",
+        &[&event_id, &key, payload],
+    )
+    .await
+    .unwrap();
+}
+
+/// Outbox rows queued for the publisher.
+async fn queued(pg: &tokio_postgres::Client) -> i64 {
+    pg.query_one("select count(*) from outbox_pending", &[])
+        .await
+        .unwrap()
+        .get(0)
 }
 
 const SLOW_SQL: &str = r#"

@@ -336,16 +336,8 @@ impl Consume {
         // record_batch opens and commits its own transaction; until it has committed, the
         // connection goes back to the pool only once rolled back.
         let open = crate::db::OpenTransaction::new(self.pool.get().await?);
-        match crate::intent::record_batch(open.client(), items, channel, claimant).await {
-            Ok(r) => {
-                open.ended();
-                Ok(r)
-            }
-            Err(e) => {
-                open.roll_back().await;
-                Err(e)
-            }
-        }
+        let recorded = crate::intent::record_batch(open.client(), items, channel, claimant).await;
+        open.close(recorded).await
     }
 
     /// Waits for Kafka's acknowledgement of a batch's direct answers; what Kafka does not

@@ -345,6 +345,16 @@ impl OpenTransaction {
         self.0.take();
     }
 
+    /// Ends the work done on the connection: on `Ok` the transaction ended ([`Self::ended`]),
+    /// on `Err` it is rolled back ([`Self::roll_back`]).
+    pub async fn close<T, E>(self, result: Result<T, E>) -> Result<T, E> {
+        match result {
+            Ok(_) => self.ended(),
+            Err(_) => self.roll_back().await,
+        }
+        result
+    }
+
     /// Rolls back whatever is still open, and returns the connection to the pool if that
     /// worked (it is closed otherwise).
     pub async fn roll_back(mut self) {

@@ -79,19 +79,12 @@ async fn finish_group(
         let (states, outcomes) = db::begin_with(client, statements.finish(client, items)).await?;
         crash_point!("before-outcome-commit");
         db::commit_with(client, statements.insert_outbox(client, &outcomes, channel)).await?;
-        Ok(states)
+        Ok::<_, DbError>(states)
     };
-    match finished.await {
-        Ok(states) => {
-            open.ended();
-            crash_point!("after-outcome-commit");
-            Ok(states)
-        }
-        Err(e) => {
-            open.roll_back().await;
-            Err(e)
-        }
-    }
+    let finished = finished.await;
+    let states = open.close(finished).await?;
+    crash_point!("after-outcome-commit");
+    Ok(states)
 }
 
 /// Retries work the database cannot do now (down, read-only, out of space) with backoff, for

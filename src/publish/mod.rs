@@ -36,21 +36,6 @@ pub enum PublishError {
 
 crate::db::from_postgres!(PublishError);
 
-/// A publisher round's failure, and whether its transaction had ended (committed) by then.
-struct RoundError {
-    ended: bool,
-    error: PublishError,
-}
-
-impl<E: Into<PublishError>> From<E> for RoundError {
-    fn from(e: E) -> Self {
-        RoundError {
-            ended: false,
-            error: e.into(),
-        }
-    }
-}
-
 pub struct Publisher {
     pub config: Arc<Config>,
     pub pool: Pool,
@@ -69,8 +54,8 @@ impl Publisher {
         final_grace: Duration,
     ) {
         let mut last_lag = Instant::now() - Duration::from_secs(10);
-        // The queue's vacuum runs beside the rounds, never in their way.
-        let vacuum = tokio::spawn(vacuum_queue(self.pool.clone(), drained.clone()));
+        // The queue's vacuum runs beside the rounds, never in their way, until `drained`.
+        tokio::spawn(vacuum_queue(self.pool.clone(), drained.clone()));
         loop {
             let full = match self.publish_once().await {
                 Ok(n) => n as i64 == GROUP_MAX,
@@ -93,7 +78,6 @@ impl Publisher {
             }
         }
         let _ = shutdown;
-        vacuum.abort();
         // Everything the executor recorded before stopping goes out now.
         let deadline = Instant::now() + final_grace;
         while Instant::now() < deadline {
@@ -122,29 +106,26 @@ impl Publisher {
     /// with the mark.
     pub async fn publish_once(&self) -> Result<usize, PublishError> {
         let open = db::OpenTransaction::new(self.pool.get().await.map_err(DbError::from)?);
-        match self.publish_round(open.client()).await {
-            Ok(n) => {
-                open.ended();
-                Ok(n)
-            }
-            Err(RoundError { ended, error }) => {
-                if ended {
-                    open.ended();
-                } else {
-                    open.roll_back().await;
-                }
-                Err(error)
-            }
+        let round = self.publish_round(open.client()).await;
+        match open.close(round).await? {
+            (_, Some(failed)) => Err(failed),
+            (rows, None) => Ok(rows),
         }
     }
 
-    async fn publish_round(&self, client: &deadpool_postgres::Object) -> Result<usize, RoundError> {
+    /// A round in the transaction the caller opened: `Err` when it did not commit; otherwise
+    /// the rows read, and what failed after the commit (outcomes Kafka did not acknowledge,
+    /// which stay unpublished for the next round).
+    async fn publish_round(
+        &self,
+        client: &deadpool_postgres::Object,
+    ) -> Result<(usize, Option<PublishError>), PublishError> {
         let statements = RoundStatements::prepare(client).await?;
         let rows = db::begin_with(client, statements.unpublished(client, GROUP_MAX)).await?;
         let fetched = rows.len();
         if fetched == 0 {
             client.batch_execute("commit").await?;
-            return Ok(0);
+            return Ok((0, None));
         }
         // Queued rows that a relay of an earlier version published (or quarantined) already:
         // only dropped from the queue.
@@ -231,11 +212,10 @@ impl Publisher {
             self.metrics.outbox_quarantined();
             tracing::error!(event_id = %row.event_id, key = %row.key, error = %e, "outcome event refused by the producer for good; quarantined in the outbox");
         }
-        if let Some(error) = failed {
+        if failed.is_some() {
             self.producer.heal(generation, &self.metrics);
-            return Err(RoundError { ended: true, error });
         }
-        Ok(fetched)
+        Ok((fetched, failed))
     }
 
     /// Exports a `send` span for each published outcome, and the action's own span once its
