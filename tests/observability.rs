@@ -125,6 +125,13 @@ async fn explain_shows_a_timeout_a_verify_and_a_duplicate() {
     outcomes.answer("e1", "succeeded").await;
     p.send(&action("e2", json!({"run_id": "r1", "tool": "send_email", "business_id": "b1", "args": {"to": "c", "subject": "again"}}))).await;
     outcomes.answer("e2", "succeeded").await;
+    // A repeat so malformed it never reaches the key's intent (no args) is still the key's.
+    p.send(&action(
+        "e3",
+        json!({"run_id": "r1", "tool": "send_email", "idempotency_key": key}),
+    ))
+    .await;
+    outcomes.answer("e3", "rejected").await;
 
     let e = common::explain(&env, key).await;
     let deliveries: Vec<(&str, &str)> = e["deliveries"]
@@ -138,7 +145,14 @@ async fn explain_shows_a_timeout_a_verify_and_a_duplicate() {
             )
         })
         .collect();
-    assert_eq!(deliveries, [("e1", "first"), ("e2", "model_retry")]);
+    assert_eq!(
+        deliveries,
+        [
+            ("e1", "first"),
+            ("e2", "model_retry"),
+            ("e3", "dead_letter")
+        ]
+    );
     // What was asked, as the first delivery asked it: every argument, and the material ones.
     assert_eq!(e["args"], json!({"to": "c"}), "{e:#}");
     assert_eq!(e["material"], json!({"args.to": "c"}), "{e:#}");
@@ -179,7 +193,14 @@ async fn explain_shows_a_timeout_a_verify_and_a_duplicate() {
             )
         })
         .collect();
-    assert_eq!(statuses, [("succeeded", false), ("succeeded", true)]);
+    assert_eq!(
+        statuses,
+        [
+            ("succeeded", false),
+            ("succeeded", true),
+            ("rejected", false)
+        ]
+    );
     let text = idem::ops::render(&e);
     assert!(
         text.contains("model_retry")

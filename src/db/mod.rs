@@ -59,6 +59,11 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "0009_outbox_pending",
         include_str!("../../schemas/postgres/0009_outbox_pending.sql"),
     ),
+    (
+        10,
+        "0010_fewer_key_indexes",
+        include_str!("../../schemas/postgres/0010_fewer_key_indexes.sql"),
+    ),
 ];
 
 /// Lets `?` turn a driver error into a stage's error whose `Db` variant wraps [`DbError`]: the

@@ -34,14 +34,17 @@ const EXPLAIN: &str = "
             select json_agg(json_build_object(
                        'decision', decision, 'by', decided_by, 'reason', reason,
                        'fingerprint', fingerprint, 'at', at::text) order by id)
-              from approvals where idempotency_key = i.idempotency_key), '[]'),
+              from approvals where intent_id = i.id), '[]'),
         'deliveries', coalesce((
             select json_agg(json_build_object(
                        'action_event_id', action_event_id, 'partition', source_partition,
                        'offset', source_offset, 'origin', origin, 'answered', answered,
                        'schema_id', schema_id,
                        'received_at', received_at::text) order by id)
-              from deliveries where idempotency_key = i.idempotency_key), '[]'),
+              from deliveries
+             where intent_id = i.id
+                -- A dead-lettered delivery has no intent, only the key it named.
+                or (intent_id is null and idempotency_key = i.idempotency_key)), '[]'),
         'calls', coalesce((
             select json_agg(json_build_object(
                        'seq', seq, 'kind', kind, 'reason', reason, 'owner', owner,
@@ -49,7 +52,7 @@ const EXPLAIN: &str = "
                        'ended_at', ended_at::text, 'result', classification,
                        'http_status', http_status, 'error', error, 'latency_ms', latency_ms)
                        order by seq)
-              from attempts where idempotency_key = i.idempotency_key), '[]'),
+              from attempts where intent_id = i.id), '[]'),
         'resolutions', coalesce((
             select json_agg(json_build_object(
                        'from', from_status, 'as', resolved_as, 'by', resolved_by,
@@ -83,7 +86,7 @@ const EXPLAIN: &str = "
                        'published_at', null,
                        'direct', true)
                   from deliveries
-                 where idempotency_key = i.idempotency_key and direct_status is not null) o), '[]'))
+                 where intent_id = i.id and direct_status is not null) o), '[]'))
       from intents i
      where i.idempotency_key = $1 and i.class <> 'read_only'";
 
