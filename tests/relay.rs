@@ -832,6 +832,71 @@ async fn outbox_rows_from_before_the_queue_or_published_by_an_older_relay_go_out
     relay.stop().await;
 }
 
+/// A backlog that is a large share of the outbox (Kafka was down for a while) does not make
+/// the publisher walk the published rows: its read starts from the queue whatever the planner
+/// estimates. Read by a plan that scans the outbox by id and probes the queue for each row, as
+/// a generic plan does once the queue holds about a quarter of the outbox, every round read
+/// all 20,000 published rows before reaching a queued one.
+#[tokio::test]
+async fn a_backlog_is_read_from_the_queue_not_by_walking_the_published_rows() {
+    let env = Env::new().await;
+    let outcomes = env.outcomes().await;
+    let config = env.config(EMAIL, "").await;
+    let pg = env.pg().await;
+    // Outcomes sized like a real one's (a result of 600 bytes): with narrow rows the
+    // planner's estimates keep starting from the queue.
+    pg.batch_execute(
+        r#"create temporary table outcome as
+             select jsonb_build_object('data', jsonb_build_object(
+                      'status', 'succeeded', 'result', repeat('x', 600))) as payload;
+           insert into outbox (event_id, kafka_key, payload)
+             select 'old-' || g, 'k' || g, payload
+               from generate_series(1, 20000) g, outcome;
+           update outbox set published_at = now();
+           delete from outbox_pending;
+           insert into outbox (event_id, kafka_key, payload)
+             select 'backlog-' || g, 'b' || g, payload
+               from generate_series(1, 10000) g, outcome;
+           analyze outbox, outbox_pending;
+           select pg_stat_force_next_flush()"#,
+    )
+    .await
+    .unwrap();
+    // This connection's own statistics were reported as it went idle (forced), so what is
+    // counted from here on is the relay's.
+    let (updated_before, read_before) = counted(&pg).await;
+    let relay = env.start(config).await;
+    common::eventually("the backlog published", Duration::from_secs(60), || async {
+        queued(&pg).await == 0
+    })
+    .await;
+    // Each round's read and its mark are one transaction, so once its statistics show every
+    // mark (a backend reports them within seconds of going idle), they show every read too.
+    common::eventually(
+        "the publisher's statistics reported",
+        Duration::from_secs(30),
+        || async { counted(&pg).await.0 - updated_before >= 10_000 },
+    )
+    .await;
+    let read = counted(&pg).await.1 - read_before;
+    assert!(
+        read < 40_000,
+        "the publisher read {read} outbox index entries for 10,000 queued rows: it walked the published ones"
+    );
+    let all = outcomes
+        .wait_for(
+            "the backlog on the outcomes topic",
+            Duration::from_secs(30),
+            |all| all.len() >= 10_000,
+        )
+        .await;
+    let keys: std::collections::HashSet<String> =
+        outcomes.all().into_iter().filter_map(|c| c.key).collect();
+    assert_eq!(all.len(), 10_000, "published rows went out again");
+    assert!((1..=10_000).all(|g| keys.contains(&format!("b{g}"))));
+    relay.stop().await;
+}
+
 /// Writes an outbox row as a relay would (or a bug elsewhere could).
 async fn insert_outbox_row(
     pg: &tokio_postgres::Client,
@@ -845,6 +910,21 @@ async fn insert_outbox_row(
     )
     .await
     .unwrap();
+}
+
+/// Rows updated in the outbox, and entries read from its primary key, by every backend that
+/// has reported its statistics.
+async fn counted(pg: &tokio_postgres::Client) -> (i64, i64) {
+    let row = pg
+        .query_one(
+            "select (select n_tup_upd from pg_stat_user_tables where relid = 'outbox'::regclass),
+                    (select idx_tup_read from pg_stat_user_indexes
+                      where indexrelid = 'outbox_pkey'::regclass)",
+            &[],
+        )
+        .await
+        .unwrap();
+    (row.get(0), row.get(1))
 }
 
 /// Outbox rows queued for the publisher.

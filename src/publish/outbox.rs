@@ -59,13 +59,21 @@ pub struct OutboxRow {
 // The oldest queued rows (schema migration 9), locked; a queued row whose outbox row is already
 // published or quarantined (by a relay of an earlier version) comes back too, `live` false, so
 // the round drops it from the queue.
+//
+// The queue's ids are read first, then their outbox rows by id, so the read costs the rows it
+// returns whatever the planner estimates: as a join, the generic plan starts from the outbox
+// once the queue holds about a quarter of it (a backlog while Kafka was down) and every round
+// walks the published rows in id order before reaching a queued one. The queue's rows are
+// locked too (two relays' rounds take disjoint ids) and the outbox rows still are (relays of
+// the previous version lock those alone).
 const SELECT_UNPUBLISHED: &str = "
     select o.id, o.event_id, o.kafka_key, o.payload, o.traceparent,
            o.published_at is null and o.quarantined_at is null as live
-      from outbox_pending p join outbox o on o.id = p.id
-     order by p.id
-     limit $1
-     for update of o skip locked";
+      from outbox o
+     where o.id = any(array(select id from outbox_pending order by id limit $1
+                              for update skip locked))
+     order by o.id
+       for update skip locked";
 
 // Published: out of the queue, and marked (relays of earlier versions look for unpublished
 // rows by `published_at`; `explain` shows it).
