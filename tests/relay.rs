@@ -897,6 +897,30 @@ async fn a_backlog_is_read_from_the_queue_not_by_walking_the_published_rows() {
     relay.stop().await;
 }
 
+/// A queued id whose outbox row is gone (deleted by hand, or pruned before any relay that knows
+/// the queue met it) leaves the queue and holds nothing up: the publisher reads the queue's
+/// oldest ids first, and 1,500 such ids at its head would otherwise fill every round.
+#[tokio::test]
+async fn queued_ids_without_an_outbox_row_leave_the_queue_and_hold_nothing_up() {
+    let env = Env::new().await;
+    let outcomes = env.outcomes().await;
+    let config = env.config(EMAIL, "").await;
+    let pg = env.pg().await;
+    pg.batch_execute("insert into outbox_pending (id) select -g from generate_series(1, 1500) g")
+        .await
+        .unwrap();
+    let outcome =
+        json!({"id": "o-after", "data": {"action_event_id": "after", "status": "succeeded"}});
+    insert_outbox_row(&pg, "o-after", "k1", &outcome).await;
+    let relay = env.start(config).await;
+    outcomes.answer("after", "succeeded").await;
+    common::eventually("the queue emptied", Duration::from_secs(30), || async {
+        queued(&pg).await == 0
+    })
+    .await;
+    relay.stop().await;
+}
+
 /// Writes an outbox row as a relay would (or a bug elsewhere could).
 async fn insert_outbox_row(
     pg: &tokio_postgres::Client,

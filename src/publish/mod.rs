@@ -409,7 +409,8 @@ impl DirectSends {
     }
 }
 
-/// Vacuums the queue of unpublished outbox rows every two seconds until `stop`.
+/// Vacuums the queue of unpublished outbox rows every two seconds until `stop`, after dropping
+/// ids at its head whose outbox row is gone.
 async fn vacuum_queue(pool: Pool, stop: CancellationToken) {
     loop {
         tokio::select! {
@@ -417,6 +418,16 @@ async fn vacuum_queue(pool: Pool, stop: CancellationToken) {
             _ = tokio::time::sleep(Duration::from_secs(2)) => {}
         }
         if let Ok(client) = pool.get().await {
+            match client
+                .execute(crate::publish::outbox::DROP_ORPHANS, &[])
+                .await
+            {
+                Ok(0) => {}
+                Ok(n) => tracing::warn!(ids = n, "queued outbox ids without an outbox row dropped"),
+                Err(e) => {
+                    tracing::debug!(error = %e, "the outbox queue's orphans were not dropped")
+                }
+            }
             if let Err(e) = client
                 .batch_execute(crate::publish::outbox::VACUUM_QUEUE)
                 .await

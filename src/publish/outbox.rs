@@ -97,6 +97,16 @@ pub(crate) const OUTBOX_LAG: &str = "
       from outbox_pending p join outbox o on o.id = p.id
      where o.published_at is null and o.quarantined_at is null";
 
+/// Drops from the head of the queue ids whose outbox row is gone (deleted by hand, or pruned
+/// before a relay that knows the queue met it): the publisher reads the queue's oldest ids
+/// first, so enough of them would fill its every round. Only the oldest thousand are looked
+/// at, and none is locked but those deleted, so rows that are there keep their order.
+pub(crate) const DROP_ORPHANS: &str = "
+    delete from outbox_pending
+     where id = any(array(
+           select p.id from (select id from outbox_pending order by id limit 1000) p
+            where not exists (select 1 from outbox o where o.id = p.id)))";
+
 /// Vacuums the queue of unpublished rows, so the publisher's reads do not walk the entries of
 /// rows published since (autovacuum visits a table at most once a minute): its index always
 /// (`index_cleanup`), never truncating (an exclusive lock), and not at all while another
