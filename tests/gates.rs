@@ -316,6 +316,7 @@ async fn a_pruned_key_resumed_is_stale_and_parked_keys_are_never_pruned() {
     // Aged past retention; the parked key stays younger than its approval timeout, so it keeps
     // its run paused.
     pg.execute("update intents set finished_at = now() - interval '8 days', created_at = now() - interval '8 days' where status <> 'pending_approval'", &[]).await.unwrap();
+    common::outbox_drained(&pg, "the outcomes published").await;
     let pool = pool(&env).await;
     let pruned = idem::gates::prune(&pool, &config, &Default::default())
         .await
@@ -323,6 +324,18 @@ async fn a_pruned_key_resumed_is_stale_and_parked_keys_are_never_pruned() {
     assert_eq!(
         pruned, 1,
         "only the finished key of a run that waits on nothing"
+    );
+    let outcomes_left: i64 = pg
+        .query_one(
+            "select count(*) from outbox where kafka_key = 'r5:send_sms:hello'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(
+        outcomes_left, 0,
+        "the pruned key's published outcome stayed"
     );
     let left: Vec<String> = pg
         .query("select idempotency_key from intents order by 1", &[])

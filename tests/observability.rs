@@ -133,6 +133,7 @@ async fn explain_shows_a_timeout_a_verify_and_a_duplicate() {
     .await;
     outcomes.answer("e3", "rejected").await;
 
+    common::outbox_drained(&env.pg().await, "the outcomes published").await;
     let e = common::explain(&env, key).await;
     let deliveries: Vec<(&str, &str)> = e["deliveries"]
         .as_array()
@@ -200,6 +201,14 @@ async fn explain_shows_a_timeout_a_verify_and_a_duplicate() {
             ("succeeded", true),
             ("rejected", false)
         ]
+    );
+    assert!(
+        e["outcomes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|o| o["published"] == true || o["direct"] == true),
+        "every outcome out of the queue is shown published: {e:#}"
     );
     let text = idem::ops::render(&e);
     assert!(

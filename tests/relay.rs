@@ -144,8 +144,9 @@ async fn a_repeat_of_a_published_outcome_is_answered_without_an_outbox_row() {
     );
     let rows: Vec<(String, bool)> = pg
         .query(
-            "select payload->'data'->>'action_event_id', published_at is not null from outbox
-              where kafka_key = $1 order by id",
+            "select payload->'data'->>'action_event_id',
+                    not exists (select 1 from outbox_pending p where p.id = o.id)
+               from outbox o where kafka_key = $1 order by id",
             &[&key],
         )
         .await
@@ -864,18 +865,18 @@ async fn a_backlog_is_read_from_the_queue_not_by_walking_the_published_rows() {
     .unwrap();
     // This connection's own statistics were reported as it went idle (forced), so what is
     // counted from here on is the relay's.
-    let (updated_before, read_before) = counted(&pg).await;
+    let (dequeued_before, read_before) = counted(&pg).await;
     let relay = env.start(config).await;
     common::eventually("the backlog published", Duration::from_secs(60), || async {
         queued(&pg).await == 0
     })
     .await;
-    // Each round's read and its mark are one transaction, so once its statistics show every
-    // mark (a backend reports them within seconds of going idle), they show every read too.
+    // Each round's read and its dequeue are one transaction, so once its statistics show every
+    // dequeue (a backend reports them within seconds of going idle), they show every read too.
     common::eventually(
         "the publisher's statistics reported",
         Duration::from_secs(30),
-        || async { counted(&pg).await.0 - updated_before >= 10_000 },
+        || async { counted(&pg).await.0 - dequeued_before >= 10_000 },
     )
     .await;
     let read = counted(&pg).await.1 - read_before;
@@ -921,6 +922,105 @@ async fn queued_ids_without_an_outbox_row_leave_the_queue_and_hold_nothing_up() 
     relay.stop().await;
 }
 
+/// The outbox lag gauges count what waits in the queue and age it by the oldest row still to
+/// publish: two rows another transaction holds (so the publisher skips them) show as 2 pending,
+/// the older a minute old; once let go they go out and the gauges fall to 0.
+#[tokio::test]
+async fn the_outbox_lag_gauges_show_what_waits_and_for_how_long() {
+    let env = Env::new().await;
+    let outcomes = env.outcomes().await;
+    let config = env.config(EMAIL, "").await;
+    let pg = env.pg().await;
+    for (event, age) in [("old", "60 s"), ("newer", "30 s")] {
+        let outcome = json!({"id": format!("o-{event}"), "data": {"action_event_id": event, "status": "succeeded"}});
+        insert_outbox_row(&pg, &format!("o-{event}"), event, &outcome).await;
+        pg.execute(
+            "update outbox set created_at = now() - $2::text::interval where event_id = $1",
+            &[&format!("o-{event}"), &age],
+        )
+        .await
+        .unwrap();
+    }
+    let holder = env.pg().await;
+    holder
+        .batch_execute("begin; select id from outbox_pending for update")
+        .await
+        .unwrap();
+    let relay = env.start(config).await;
+    let gauges = || async {
+        let m = common::metrics(relay.admin()).await;
+        (
+            common::sample(&m, "idem_outbox_pending"),
+            common::sample(&m, "idem_outbox_oldest_age_seconds"),
+        )
+    };
+    common::eventually(
+        "2 pending, a minute old",
+        Duration::from_secs(30),
+        || async {
+            let (pending, age) = gauges().await;
+            pending == 2.0 && (60.0..120.0).contains(&age)
+        },
+    )
+    .await;
+    holder.batch_execute("rollback").await.unwrap();
+    outcomes.answer("old", "succeeded").await;
+    outcomes.answer("newer", "succeeded").await;
+    common::eventually("nothing pending", Duration::from_secs(30), || async {
+        gauges().await == (0.0, 0.0)
+    })
+    .await;
+    relay.stop().await;
+}
+
+/// Publishing an outcome writes nothing to its outbox row: the queue's delete is the mark. The
+/// row is wide (the outcome, ~700 bytes with its indexes' entries) and an update of it was not
+/// HOT, so a mark rewrote it and added an entry to each of its indexes.
+#[tokio::test]
+async fn publishing_leaves_the_outbox_row_as_written() {
+    let env = Env::new().await;
+    let outcomes = env.outcomes().await;
+    let config = env.config(EMAIL, "").await;
+    let pg = env.pg().await;
+    for n in 0..50 {
+        let event = format!("w{n}");
+        let outcome = json!({"id": format!("o-{event}"), "data": {"action_event_id": event, "status": "succeeded"}});
+        insert_outbox_row(&pg, &format!("o-{event}"), &format!("k{n}"), &outcome).await;
+    }
+    let versions = || async {
+        pg.query(
+            "select event_id, xmin::text, ctid::text from outbox order by id",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect::<Vec<(String, String, String)>>()
+    };
+    let written = versions().await;
+    let relay = env.start(config).await;
+    outcomes
+        .wait_for("the 50 outcomes", Duration::from_secs(30), |all| {
+            all.len() >= 50
+        })
+        .await;
+    common::eventually("the queue emptied", Duration::from_secs(30), || async {
+        queued(&pg).await == 0
+    })
+    .await;
+    let now = versions().await;
+    let rewritten: Vec<&String> = written
+        .iter()
+        .zip(&now)
+        .filter(|(w, n)| w != n)
+        .map(|(w, _)| &w.0)
+        .collect();
+    assert_eq!(now.len(), written.len());
+    assert!(rewritten.is_empty(), "outbox rows rewritten: {rewritten:?}");
+    relay.stop().await;
+}
+
 /// Writes an outbox row as a relay would (or a bug elsewhere could).
 async fn insert_outbox_row(
     pg: &tokio_postgres::Client,
@@ -936,12 +1036,13 @@ async fn insert_outbox_row(
     .unwrap();
 }
 
-/// Rows updated in the outbox, and entries read from its primary key, by every backend that
-/// has reported its statistics.
+/// Rows deleted from the queue, and entries read from the outbox's primary key, by every
+/// backend that has reported its statistics.
 async fn counted(pg: &tokio_postgres::Client) -> (i64, i64) {
     let row = pg
         .query_one(
-            "select (select n_tup_upd from pg_stat_user_tables where relid = 'outbox'::regclass),
+            "select (select n_tup_del from pg_stat_user_tables
+                      where relid = 'outbox_pending'::regclass),
                     (select idx_tup_read from pg_stat_user_indexes
                       where indexrelid = 'outbox_pkey'::regclass)",
             &[],

@@ -64,6 +64,11 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "0010_fewer_key_indexes",
         include_str!("../../schemas/postgres/0010_fewer_key_indexes.sql"),
     ),
+    (
+        11,
+        "0011_published_by_the_queue",
+        include_str!("../../schemas/postgres/0011_published_by_the_queue.sql"),
+    ),
 ];
 
 /// Lets `?` turn a driver error into a stage's error whose `Db` variant wraps [`DbError`]: the

@@ -42,8 +42,9 @@ const PRUNE_TOOL: &str = "
           from gone where class <> 'read_only'
         on conflict (key_hash) do update set expires_at = excluded.expires_at
     ), answered as (
-        delete from outbox where kafka_key in (select idempotency_key from gone)
-           and published_at is not null
+        delete from outbox o where kafka_key in (select idempotency_key from gone)
+           and o.quarantined_at is null
+           and not exists (select 1 from outbox_pending p where p.id = o.id)
     )
     select count(*) from gone";
 

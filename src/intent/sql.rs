@@ -53,7 +53,9 @@ pub(crate) const SELECT_KEYS_FOR_SHARE: &str = "
            error, attempts, run_id, step, tool, coalesce(finished_at, updated_at) as at,
            exists (select 1 from outbox o
                     where o.kafka_key = intents.idempotency_key
-                      and o.published_at is null and o.quarantined_at is null) as unpublished
+                      and o.published_at is null and o.quarantined_at is null
+                      and exists (select 1 from outbox_pending p where p.id = o.id))
+             as unpublished
     from intents
     where idempotency_key = any($1) and class <> 'read_only'
     order by id

@@ -67,7 +67,10 @@ const EXPLAIN: &str = "
                        'duplicate', (payload->'data'->>'duplicate')::bool,
                        'note', payload->'data'->>'note',
                        'recorded_at', created_at::text,
-                       'published_at', published_at::text,
+                       -- Kafka acknowledged it: out of the queue, not set aside.
+                       'published', quarantined_at is null and not exists (
+                           select 1 from outbox_pending p where p.id = outbox.id),
+                       'quarantine_reason', quarantine_reason,
                        'direct', false) as outcome
                   from outbox where kafka_key = i.idempotency_key
                 union all
@@ -83,7 +86,8 @@ const EXPLAIN: &str = "
                        'duplicate', true,
                        'note', 'sent straight to Kafka with the stored result (no outbox row)',
                        'recorded_at', received_at::text,
-                       'published_at', null,
+                       'published', null,
+                       'quarantine_reason', null,
                        'direct', true)
                   from deliveries
                  where intent_id = i.id and direct_status is not null) o), '[]'))
@@ -185,13 +189,19 @@ pub fn render(e: &Value) -> String {
         } else {
             ""
         };
+        let publication = match (&o["published"], &o["quarantine_reason"]) {
+            (Value::Bool(true), _) => "published".to_string(),
+            (_, Value::String(reason)) => format!("quarantined: {reason}"),
+            (Value::Bool(false), _) => "not published yet".to_string(),
+            _ => "sent straight to Kafka".to_string(),
+        };
         out.push_str(&format!(
-            "  {}  {}{} answering {}  published {}\n    {}\n",
+            "  {}  {}{} answering {}  {}\n    {}\n",
             s(&o["event_id"]),
             s(&o["status"]),
             dup,
             s(&o["action_event_id"]),
-            s(&o["published_at"]),
+            publication,
             s(&o["note"])
         ));
     }

@@ -1,6 +1,7 @@
 //! Publish: outbox rows to the outcomes topic with the idempotent producer, woken by
-//! LISTEN/NOTIFY with a polling fallback. Rows are marked published only after Kafka
-//! acknowledged them, so a crash in between republishes the same event ids.
+//! LISTEN/NOTIFY with a polling fallback. A row leaves the queue of unpublished rows (its mark of
+//! publication) only after Kafka acknowledged it, so a crash in between republishes the same
+//! event ids.
 
 use crate::publish::outbox::{OutboxRow, RoundStatements};
 use std::sync::Arc;
@@ -101,9 +102,9 @@ impl Publisher {
         }
     }
 
-    /// One batch: lock unpublished rows, send them all, wait for every acknowledgement, mark.
+    /// One batch: lock unpublished rows, send them all, wait for every acknowledgement, dequeue.
     /// Its transaction is two round trips: the `begin` goes out with the select, the `commit`
-    /// with the mark.
+    /// with the dequeue.
     pub async fn publish_once(&self) -> Result<usize, PublishError> {
         let open = db::OpenTransaction::new(self.pool.get().await.map_err(DbError::from)?);
         let round = self.publish_round(open.client()).await;
@@ -201,7 +202,7 @@ impl Publisher {
             .copied()
             .chain(stale.iter().map(|r| r.id))
             .collect();
-        db::commit_with(client, statements.mark_published(client, &acked, &dequeued)).await?;
+        db::commit_with(client, statements.dequeue(client, &dequeued)).await?;
         self.metrics.published(topic, acked.len() as u64);
         if crate::telemetry::enabled() {
             let published: Vec<&OutboxRow> =

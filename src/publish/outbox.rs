@@ -1,4 +1,5 @@
-//! Outbox rows: written with the state change they announce, read and marked by the publisher.
+//! Outbox rows: written with the state change they announce, read by the publisher, and
+//! dequeued (`outbox_pending`) once Kafka acknowledged them.
 
 use deadpool_postgres::GenericClient;
 use deadpool_postgres::Transaction;
@@ -75,11 +76,9 @@ const SELECT_UNPUBLISHED: &str = "
      order by o.id
        for update skip locked";
 
-// Published: out of the queue, and marked (relays of earlier versions look for unpublished
-// rows by `published_at`; `explain` shows it).
-const MARK_PUBLISHED: &str = "
-    with dequeued as (delete from outbox_pending where id = any($2))
-    update outbox set published_at = now() where id = any($1)";
+// Published: out of the queue. The outbox row itself is not written (migration 11): an update
+// of a wide row that is not HOT, it rewrote the outcome and every index entry.
+const DEQUEUE: &str = "delete from outbox_pending where id = any($1)";
 
 const QUARANTINE: &str = "
     with dequeued as (delete from outbox_pending where id = $1)
@@ -91,11 +90,15 @@ pub async fn quarantine(client: &impl GenericClient, id: i64, reason: &str) -> R
     Ok(())
 }
 
-/// How many outbox rows wait to be published, and the age of the oldest.
+/// How many outbox rows wait to be published (the queue's length), and the age of the oldest
+/// (the first of the queue's oldest hundred ids that is still to publish). The outbox is read
+/// by id only, whatever the planner estimates (see `SELECT_UNPUBLISHED`).
 pub(crate) const OUTBOX_LAG: &str = "
-    select count(*), coalesce(extract(epoch from now() - min(o.created_at))::float8, 0)
-      from outbox_pending p join outbox o on o.id = p.id
-     where o.published_at is null and o.quarantined_at is null";
+    select (select count(*) from outbox_pending),
+           coalesce(extract(epoch from now() - (
+               select min(o.created_at) from outbox o
+                where o.id = any(array(select id from outbox_pending order by id limit 100))
+                  and o.published_at is null and o.quarantined_at is null))::float8, 0)";
 
 /// Drops from the head of the queue ids whose outbox row is gone (deleted by hand, or pruned
 /// before a relay that knows the queue met it): the publisher reads the queue's oldest ids
@@ -116,19 +119,19 @@ pub(crate) const VACUUM_QUEUE: &str =
     "vacuum (skip_locked, truncate false, index_cleanup on) outbox_pending";
 
 /// The statements of a publisher's round, prepared on its connection so its transaction can
-/// send its `begin` with the select and its `commit` with the mark.
+/// send its `begin` with the select and its `commit` with the dequeue.
 pub(crate) struct RoundStatements {
     select: tokio_postgres::Statement,
-    mark: tokio_postgres::Statement,
+    dequeue: tokio_postgres::Statement,
 }
 
 impl RoundStatements {
     pub(crate) async fn prepare(client: &impl GenericClient) -> Result<Self, DbError> {
-        let (select, mark) = futures::try_join!(
+        let (select, dequeue) = futures::try_join!(
             client.prepare_cached(SELECT_UNPUBLISHED),
-            client.prepare_cached(MARK_PUBLISHED)
+            client.prepare_cached(DEQUEUE)
         )?;
-        Ok(RoundStatements { select, mark })
+        Ok(RoundStatements { select, dequeue })
     }
 
     /// Locks up to `limit` unpublished rows, oldest first, skipping those another round holds.
@@ -152,16 +155,15 @@ impl RoundStatements {
             .collect())
     }
 
-    /// Marks rows published (`published`) and drops rows from the queue (`dequeued`: those and
-    /// the queued rows found published already); the request goes out when the future is first
-    /// polled.
-    pub(crate) async fn mark_published(
+    /// Drops rows from the queue: those Kafka acknowledged, which makes them published, and
+    /// the queued rows found published or quarantined already. The request goes out when the
+    /// future is first polled.
+    pub(crate) async fn dequeue(
         &self,
         client: &impl GenericClient,
-        published: &[i64],
-        dequeued: &[i64],
+        ids: &[i64],
     ) -> Result<(), DbError> {
-        client.execute(&self.mark, &[&published, &dequeued]).await?;
+        client.execute(&self.dequeue, &[&ids]).await?;
         Ok(())
     }
 }

@@ -498,15 +498,12 @@ pub async fn config_file(
     path
 }
 
-/// Waits until every outbox row of the test's schema is marked published (`pg` is
-/// [`Env::pg`]'s connection), or fails naming `what`.
+/// Waits until every outbox row of the test's schema is published (none left in the queue;
+/// `pg` is [`Env::pg`]'s connection), or fails naming `what`.
 pub async fn outbox_drained(pg: &tokio_postgres::Client, what: &str) {
     eventually(what, Duration::from_secs(20), || async {
         let row = pg
-            .query_one(
-                "select count(*) from outbox where published_at is null",
-                &[],
-            )
+            .query_one("select count(*) from outbox_pending", &[])
             .await
             .unwrap();
         row.get::<_, i64>(0) == 0

@@ -499,7 +499,7 @@ pub fn key(session: &Session, e: &Value, notice: Option<(&str, &str)>) -> String
             &e["outcomes"],
             &[
                 ("recorded_at", "recorded"),
-                ("published_at", "published"),
+                ("published", "published"),
                 ("status", "status"),
                 ("duplicate", "duplicate"),
                 ("action_event_id", "answers event"),
