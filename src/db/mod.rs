@@ -390,7 +390,26 @@ pub async fn begin_with<T>(
     client: &impl deadpool_postgres::GenericClient,
     first: impl std::future::Future<Output = Result<T, DbError>>,
 ) -> Result<T, DbError> {
-    let begin = async { client.batch_execute("begin").await.map_err(DbError::from) };
+    begin_as_with(client, "begin", first).await
+}
+
+/// [`begin_with`] for a transaction whose commit returns before its WAL is flushed to disk
+/// (`synchronous_commit = off` for it alone): only for writes that a crash of Postgres may undo
+/// without harm, because whatever they record is done again, to the same effect, when they are
+/// missing. Its commit still comes after every commit it saw.
+pub async fn begin_unflushed_with<T>(
+    client: &impl deadpool_postgres::GenericClient,
+    first: impl std::future::Future<Output = Result<T, DbError>>,
+) -> Result<T, DbError> {
+    begin_as_with(client, "begin; set local synchronous_commit = off", first).await
+}
+
+async fn begin_as_with<T>(
+    client: &impl deadpool_postgres::GenericClient,
+    begin: &str,
+    first: impl std::future::Future<Output = Result<T, DbError>>,
+) -> Result<T, DbError> {
+    let begin = async { client.batch_execute(begin).await.map_err(DbError::from) };
     let ((), t) = futures::try_join!(begin, first)?;
     Ok(t)
 }

@@ -122,7 +122,10 @@ impl Publisher {
         client: &deadpool_postgres::Object,
     ) -> Result<(usize, Option<PublishError>), PublishError> {
         let statements = RoundStatements::prepare(client).await?;
-        let rows = db::begin_with(client, statements.unpublished(client, GROUP_MAX)).await?;
+        // Not flushed at commit: a dequeue a crash of Postgres undoes only publishes the rows
+        // again, under the same event ids, as a crash between the send and the dequeue does.
+        let rows =
+            db::begin_unflushed_with(client, statements.unpublished(client, GROUP_MAX)).await?;
         let fetched = rows.len();
         if fetched == 0 {
             client.batch_execute("commit").await?;
