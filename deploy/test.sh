@@ -20,6 +20,8 @@ psql -qAt "$url" -c "select nspname from pg_namespace where nspname ~ '^(t|m|ben
   while read -r schema; do
     PGOPTIONS='-c client_min_messages=warning' psql -q "$url" -c "drop schema if exists \"$schema\" cascade"
   done
+# And their topics (the same names, `.actions`, `.outcomes`, `.dlq` and variants).
+bash deploy/local/services.sh prune-topics '(t|m|bench_idem|bench_naive|bench_dbos|bench_restate|roundtrip)_[0-9a-f]+(\..+)?'
 # The Python venv: the client's tests, the MCP SDK for the MCP server's tests, selenium for the
 # console's, and kubernetes-validate for the Helm chart's test.
 py=${IDEM_LOCAL_DIR:-$HOME/.cache/idem-local}/venv-python

@@ -215,6 +215,18 @@ kafka_metadata_ok() {
 
 kafka_ready() { port_open "$kafka_port" && kafka_metadata_ok; }
 
+# Deletes the topics whose whole name matches $1 (a regular expression both grep -E and Java
+# read alike): each test and benchmark run makes its own, and a broker holding thousands of
+# partitions starts and recovers each of them after a kill.
+kafka_prune_topics() {
+  local pattern=$1 topics
+  topics=$(kafka_metadata_ok | grep -xE "$pattern" || true)
+  [ -n "$topics" ] || return 0
+  log "deleting $(wc -l <<<"$topics") topics earlier runs left"
+  kafka_java org.apache.kafka.tools.TopicCommand --bootstrap-server "127.0.0.1:$kafka_port" \
+    --delete --topic "$pattern" >/dev/null
+}
+
 kafka_fetch() {
   local libs=$kafka_libs
   [ -f "$libs/.complete" ] && return 0
@@ -358,8 +370,9 @@ kafka_down() {
 case "${1:-up}" in
   up) pg_up; kafka_up ;;
   down) kafka_down; pg_down ;;
+  prune-topics) kafka_prune_topics "${2:?a topic name pattern}" ;;
   status)
     pg_ready 2>/dev/null && echo "postgres: ready on 127.0.0.1:$pg_port" || echo "postgres: not answering"
     port_open "$kafka_port" && echo "kafka: listening on 127.0.0.1:$kafka_port" || echo "kafka: not answering" ;;
-  *) die "usage: $0 up|down|status" ;;
+  *) die "usage: $0 up|down|status|prune-topics PATTERN" ;;
 esac
