@@ -40,6 +40,11 @@ pub enum RelayError {
         "the database schema is at version {found}, this relay needs {needed}: run `idem migrate`"
     )]
     Schema { found: i32, needed: i32 },
+    #[error(
+        "the database schema is at version {found}, and relays that know migrations up to {knows} \
+         (this one) may not run against it: it needs a relay that knows at least {floor}"
+    )]
+    SchemaAhead { found: i32, knows: i32, floor: i32 },
     #[error("mcp: {0}")]
     Mcp(String),
 }
@@ -413,6 +418,30 @@ async fn check_schema(pool: &Pool, config: &Config) -> Result<(), RelayError> {
     let needed = db::latest_version();
     if found < needed {
         return Err(RelayError::Schema { found, needed });
+    }
+    if found > needed {
+        // Migrations from a newer relay (a rolling upgrade under way): allowed down to the
+        // schema's floor.
+        let floor: i32 = client
+            .query_one(
+                "select coalesce(max(migration), 0) from idem_relay_floor",
+                &[],
+            )
+            .await
+            .map_err(db::DbError::from)?
+            .get(0);
+        if floor > needed {
+            return Err(RelayError::SchemaAhead {
+                found,
+                knows: needed,
+                floor,
+            });
+        }
+        tracing::warn!(
+            schema = found,
+            relay = needed,
+            "the database schema is newer than this relay, which may run beside the newer ones (a rolling upgrade)"
+        );
     }
     Ok(())
 }

@@ -137,6 +137,45 @@ async fn the_relay_refuses_an_unmigrated_schema() {
     assert!(err.contains("idem migrate"), "{err}");
 }
 
+/// A schema whose migrations older relays cannot work beside names the oldest relay it allows
+/// (`idem_relay_floor`): a relay that knows fewer migrations refuses to start, saying which it
+/// needs. One at the floor starts beside the newer schema (a rolling upgrade).
+#[tokio::test]
+async fn a_relay_older_than_the_schemas_floor_refuses_to_start() {
+    let env = common::Env::new().await;
+    let config = env.config("", "").await; // migrates the schema
+    let pg = env.pg().await;
+    let knows = idem::db::latest_version();
+    let newer = knows + 1;
+    pg.execute(
+        "insert into idem_schema_versions (version, name) values ($1, 'from a newer relay')",
+        &[&newer],
+    )
+    .await
+    .unwrap();
+    pg.execute("update idem_relay_floor set migration = $1", &[&newer])
+        .await
+        .unwrap();
+    let err = match idem::relay::start(config.clone(), tokio_util::sync::CancellationToken::new())
+        .await
+    {
+        Ok(_) => panic!("started against a schema that needs a newer relay"),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        err.contains(&format!("version {newer}"))
+            && err.contains(&format!("migrations up to {knows}"))
+            && err.contains(&format!("at least {newer}")),
+        "{err}"
+    );
+
+    pg.execute("update idem_relay_floor set migration = $1", &[&knows])
+        .await
+        .unwrap();
+    let relay = env.start(config).await;
+    relay.stop().await;
+}
+
 /// No Docker engine runs here, so the compose file is checked for what can be checked: its
 /// services exist, and everything it builds from or mounts is in the repo.
 #[test]

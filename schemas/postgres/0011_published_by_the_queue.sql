@@ -14,3 +14,10 @@
 -- find unpublished rows by `published_at` and would publish such rows again: they must not run
 -- against this schema (upgrade through a version with migration 9 or 10 first).
 drop index outbox_unpublished;
+
+-- The oldest relay that may run against this schema, as the newest migration a relay must know:
+-- a relay that knows fewer refuses to start (relays from this version on check it; those before
+-- do not, hence the rule above). A later migration that older relays cannot work beside raises
+-- it; one they can leaves it.
+create table idem_relay_floor (migration integer not null);
+insert into idem_relay_floor (migration) values (10);
