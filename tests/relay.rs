@@ -781,7 +781,6 @@ async fn outbox_rows_from_before_the_queue_or_published_by_an_older_relay_go_out
     let outcomes = env.outcomes().await;
     let config = env.config(EMAIL, "").await;
     let pg = env.pg().await;
-    let outcome = |event: &str| json!({"id": format!("o-{event}"), "data": {"action_event_id": event, "status": "succeeded"}});
     // The schema as migration 8 left it, and a row written then.
     pg.batch_execute(
         "drop table outbox_pending;
@@ -790,10 +789,10 @@ async fn outbox_rows_from_before_the_queue_or_published_by_an_older_relay_go_out
     )
     .await
     .unwrap();
-    insert_outbox_row(&pg, "o-before", "k1", &outcome("before")).await;
+    insert_outcome(&pg, "before", "k1").await;
     idem::db::migrate(&config.postgres).await.expect("migrate");
     // Written after, and published by an older relay before this one starts.
-    insert_outbox_row(&pg, "o-older", "k2", &outcome("older")).await;
+    insert_outcome(&pg, "older", "k2").await;
     assert_eq!(
         queued(&pg).await,
         2,
@@ -910,9 +909,7 @@ async fn queued_ids_without_an_outbox_row_leave_the_queue_and_hold_nothing_up() 
     pg.batch_execute("insert into outbox_pending (id) select -g from generate_series(1, 1500) g")
         .await
         .unwrap();
-    let outcome =
-        json!({"id": "o-after", "data": {"action_event_id": "after", "status": "succeeded"}});
-    insert_outbox_row(&pg, "o-after", "k1", &outcome).await;
+    insert_outcome(&pg, "after", "k1").await;
     let relay = env.start(config).await;
     outcomes.answer("after", "succeeded").await;
     common::eventually("the queue emptied", Duration::from_secs(30), || async {
@@ -932,8 +929,7 @@ async fn the_outbox_lag_gauges_show_what_waits_and_for_how_long() {
     let config = env.config(EMAIL, "").await;
     let pg = env.pg().await;
     for (event, age) in [("old", "60 s"), ("newer", "30 s")] {
-        let outcome = json!({"id": format!("o-{event}"), "data": {"action_event_id": event, "status": "succeeded"}});
-        insert_outbox_row(&pg, &format!("o-{event}"), event, &outcome).await;
+        insert_outcome(&pg, event, event).await;
         pg.execute(
             "update outbox set created_at = now() - $2::text::interval where event_id = $1",
             &[&format!("o-{event}"), &age],
@@ -983,9 +979,7 @@ async fn publishing_leaves_the_outbox_row_as_written() {
     let config = env.config(EMAIL, "").await;
     let pg = env.pg().await;
     for n in 0..50 {
-        let event = format!("w{n}");
-        let outcome = json!({"id": format!("o-{event}"), "data": {"action_event_id": event, "status": "succeeded"}});
-        insert_outbox_row(&pg, &format!("o-{event}"), &format!("k{n}"), &outcome).await;
+        insert_outcome(&pg, &format!("w{n}"), &format!("k{n}")).await;
     }
     let versions = || async {
         pg.query(
@@ -1019,6 +1013,13 @@ async fn publishing_leaves_the_outbox_row_as_written() {
     assert_eq!(now.len(), written.len());
     assert!(rewritten.is_empty(), "outbox rows rewritten: {rewritten:?}");
     relay.stop().await;
+}
+
+/// Writes the outbox row of a `succeeded` outcome answering `event`, its id `o-{event}`.
+async fn insert_outcome(pg: &tokio_postgres::Client, event: &str, key: &str) {
+    let id = format!("o-{event}");
+    let outcome = json!({"id": id, "data": {"action_event_id": event, "status": "succeeded"}});
+    insert_outbox_row(pg, &id, key, &outcome).await;
 }
 
 /// Writes an outbox row as a relay would (or a bug elsewhere could).
