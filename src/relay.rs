@@ -7,7 +7,6 @@ use std::sync::Arc;
 use deadpool_postgres::Pool;
 use rdkafka::consumer::Consumer;
 use tokio::net::TcpListener;
-use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
@@ -121,7 +120,14 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Handle
         ),
     });
     let control = db::control_pool(&config.postgres)?;
-    let executor = Executor::new(config.clone(), pool.clone(), control, metrics.clone());
+    let handoff = Arc::new(publish::handoff::Handoff::new());
+    let executor = Executor::new(
+        config.clone(),
+        pool.clone(),
+        control,
+        metrics.clone(),
+        handoff.clone(),
+    );
 
     let tasks = Tasks::spawn(Stages {
         config: config.clone(),
@@ -129,6 +135,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Handle
         maintenance,
         metrics: metrics.clone(),
         executor,
+        handoff,
         kafka,
         listener,
         router,
@@ -204,6 +211,8 @@ struct Stages {
     maintenance: Pool,
     metrics: Arc<Metrics>,
     executor: Arc<Executor>,
+    /// Outbox rows the executor's finishes hand to the publishers.
+    handoff: Arc<publish::handoff::Handoff>,
     kafka: KafkaClients,
     listener: TcpListener,
     router: axum::Router,
@@ -242,12 +251,12 @@ impl Tasks {
             maintenance,
             metrics,
             executor,
+            handoff,
             kafka,
             listener,
             router,
             shutdown,
         } = s;
-        let wake = Arc::new(Notify::new());
         let stop_background = CancellationToken::new();
         let publisher_drained = CancellationToken::new();
 
@@ -263,7 +272,7 @@ impl Tasks {
         ));
         let listen = tokio::spawn(publish::listen(
             config.clone(),
-            wake.clone(),
+            handoff.clone(),
             stop_background.clone(),
         ));
         let publishers = (0..PUBLISHERS)
@@ -273,7 +282,7 @@ impl Tasks {
                     pool: pool.clone(),
                     producer: kafka.producer.clone(),
                     metrics: metrics.clone(),
-                    wake: wake.clone(),
+                    handoff: handoff.clone(),
                 };
                 tokio::spawn(publisher.run(
                     stop_background.clone(),

@@ -1015,6 +1015,100 @@ async fn publishing_leaves_the_outbox_row_as_written() {
     relay.stop().await;
 }
 
+/// The outcomes a finish commits are handed to the publisher in memory: the finish sends no
+/// NOTIFY, and the publisher does not wait for a poll. With the queue's poll an hour apart and
+/// a listener on the outbox's channel, twenty actions are answered and no notification comes;
+/// then a conflict, which the consumer writes to the outbox, still wakes the publisher by one.
+#[tokio::test]
+async fn a_finishs_outcomes_go_out_without_a_notify_or_a_poll() {
+    use futures::StreamExt;
+    use std::sync::{Arc, Mutex};
+    let env = Env::new().await;
+    let outcomes = env.outcomes().await;
+    let mut config = env.config(EMAIL, "").await;
+    config.relay.outbox_poll_interval = Duration::from_secs(3600);
+    let pg_config: tokio_postgres::Config = common::postgres_url().parse().unwrap();
+    let (listener, mut connection) = pg_config.connect(tokio_postgres::NoTls).await.unwrap();
+    let notified = Arc::new(Mutex::new(0usize));
+    let counter = notified.clone();
+    tokio::spawn(async move {
+        let mut messages = futures::stream::poll_fn(move |cx| connection.poll_message(cx));
+        while let Some(Ok(m)) = messages.next().await {
+            if let tokio_postgres::AsyncMessage::Notification(_) = m {
+                *counter.lock().unwrap() += 1;
+            }
+        }
+    });
+    listener
+        .batch_execute(&format!("listen idem_outbox_{}", env.schema))
+        .await
+        .unwrap();
+    let relay = env.start(config).await;
+    let p = env.producer();
+    let ids: Vec<String> = (0..20).map(|n| format!("evt-h{n}")).collect();
+    for (n, id) in ids.iter().enumerate() {
+        p.send(&action(id, email("run_h", &format!("order_{n}"), "Hi")))
+            .await;
+    }
+    let answered = outcomes.answer_all(&ids, Duration::from_secs(30)).await;
+    assert!(answered.iter().all(|o| o["data"]["status"] == "succeeded"));
+    // A notification sent before this statement is delivered ahead of its answer.
+    listener.batch_execute("select 1").await.unwrap();
+    assert_eq!(*notified.lock().unwrap(), 0, "the finishes sent a NOTIFY");
+    common::outbox_drained(&env.pg().await, "the handed rows dequeued").await;
+
+    let mut changed = email("run_h", "order_0", "Hi");
+    changed["args"]["to"] = json!("someone-else");
+    p.send(&action("evt-h-conflict", changed)).await;
+    let conflict = outcomes.answer("evt-h-conflict", "rejected").await;
+    assert_eq!(conflict["data"]["error"]["code"], "key_conflict");
+    listener.batch_execute("select 1").await.unwrap();
+    assert_eq!(
+        *notified.lock().unwrap(),
+        1,
+        "the conflict's outbox row notified"
+    );
+    assert_eq!(env.downstream.total_effects(), 20);
+    relay.stop().await;
+}
+
+/// Two relays on one schema, one reading the queue every few milliseconds: the rows the other
+/// hands to its publisher are there for both, and each outcome still goes out once.
+#[tokio::test]
+async fn a_handed_row_and_another_relays_poll_publish_it_once() {
+    let env = Env::new().await;
+    let outcomes = env.outcomes().await;
+    let handing = env.config(EMAIL, "").await;
+    let mut polling = env.config(EMAIL, "").await;
+    polling.relay.outbox_poll_interval = Duration::from_millis(1);
+    polling.relay.instance_id = "poller".into();
+    let a = env.start(handing).await;
+    let b = env.start(polling).await;
+    let p = env.producer();
+    let ids: Vec<String> = (0..300).map(|n| format!("evt-r{n}")).collect();
+    for (n, id) in ids.iter().enumerate() {
+        p.send(&action(id, email("run_r", &format!("order_{n}"), "Hi")))
+            .await;
+    }
+    outcomes.answer_all(&ids, Duration::from_secs(60)).await;
+    common::outbox_drained(&env.pg().await, "every outcome out").await;
+    let mut sent: HashMap<String, usize> = HashMap::new();
+    for o in outcomes.json() {
+        *sent
+            .entry(o["id"].as_str().unwrap().to_string())
+            .or_default() += 1;
+    }
+    let twice: Vec<_> = sent.iter().filter(|(_, n)| **n > 1).collect();
+    assert!(
+        twice.is_empty(),
+        "outcomes published more than once: {twice:?}"
+    );
+    assert_eq!(sent.len(), 300);
+    assert_eq!(env.downstream.total_effects(), 300);
+    a.stop().await;
+    b.stop().await;
+}
+
 /// Writes the outbox row of a `succeeded` outcome answering `event`, its id `o-{event}`.
 async fn insert_outcome(pg: &tokio_postgres::Client, event: &str, key: &str) {
     let id = format!("o-{event}");

@@ -25,6 +25,8 @@ use crate::outcome::answer::KeyState;
 use crate::outcome::finish::FinishStatements;
 use crate::outcome::{ErrorCode, OutcomeStatus};
 use crate::outcome::{Finish, Settled};
+use crate::publish::handoff::Handoff;
+use crate::publish::outbox::written_rows;
 use crate::retry::Backoff;
 
 pub mod attempt_log;
@@ -66,11 +68,12 @@ async fn ask<T: Send + 'static, R: Send + 'static>(
 }
 
 /// Records a group of http outcomes in one transaction of two round trips: its `begin` with
-/// the lock and the finish, its `commit` with the outbox rows.
+/// the lock and the finish, its `commit` with the outbox rows, which are then handed to the
+/// publishers (no NOTIFY, no read of them back).
 async fn finish_group(
     pool: &Pool,
     items: &[Finish],
-    channel: &str,
+    handoff: &Handoff,
 ) -> Result<Vec<Option<KeyState>>, DbError> {
     let open = db::OpenTransaction::new(pool.get().await?);
     let client = open.client();
@@ -78,12 +81,14 @@ async fn finish_group(
         let statements = FinishStatements::prepare(client).await?;
         let (states, outcomes) = db::begin_with(client, statements.finish(client, items)).await?;
         crash_point!("before-outcome-commit");
-        db::commit_with(client, statements.insert_outbox(client, &outcomes, channel)).await?;
-        Ok::<_, DbError>(states)
+        let written =
+            db::commit_with(client, statements.insert_outbox_handed(client, &outcomes)).await?;
+        Ok::<_, DbError>((states, written_rows(outcomes, written)))
     };
     let finished = finished.await;
-    let states = open.close(finished).await?;
+    let (states, rows) = open.close(finished).await?;
     crash_point!("after-outcome-commit");
+    handoff.hand(rows);
     Ok(states)
 }
 
@@ -183,7 +188,13 @@ pub(crate) struct Executor {
 }
 
 impl Executor {
-    pub fn new(config: Arc<Config>, pool: Pool, control: Pool, metrics: Arc<Metrics>) -> Arc<Self> {
+    pub fn new(
+        config: Arc<Config>,
+        pool: Pool,
+        control: Pool,
+        metrics: Arc<Metrics>,
+        handoff: Arc<Handoff>,
+    ) -> Arc<Self> {
         let tools: HashMap<String, Arc<Tool>> = config
             .tools
             .iter()
@@ -237,18 +248,18 @@ impl Executor {
             )
         };
         let finishes = {
-            let (pool, channel) = (pool.clone(), channel.clone());
+            let pool = pool.clone();
             GroupCommit::spawn(GROUP_MAX, FINISH_WORKERS, move |items: Vec<Finish>| {
-                let (pool, channel) = (pool.clone(), channel.clone());
+                let (pool, handoff) = (pool.clone(), handoff.clone());
                 async move {
-                    match finish_group(&pool, &items, &channel).await {
+                    match finish_group(&pool, &items, &handoff).await {
                         Ok(states) => states.into_iter().map(Ok).collect(),
                         // One result the database refuses must not fail the others.
                         Err(e) if e.refuses_data() && items.len() > 1 => {
                             let mut answers = Vec::with_capacity(items.len());
                             for item in &items {
                                 answers.push(
-                                    match finish_group(&pool, std::slice::from_ref(item), &channel)
+                                    match finish_group(&pool, std::slice::from_ref(item), &handoff)
                                         .await
                                     {
                                         Ok(mut states) => Ok(states.pop().flatten()),

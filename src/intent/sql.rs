@@ -79,6 +79,14 @@ pub(crate) const INSERT_OUTBOX: &str = "
     select n, case when n > 0 then pg_notify($5, '') end
       from (select count(*) as n from o) c";
 
+// The same without the NOTIFY, returning the rows written, for a writer that hands them to the
+// publishers in memory once committed (`publish::handoff`).
+pub(crate) const INSERT_OUTBOX_HANDED: &str = "
+    insert into outbox (event_id, kafka_key, payload, traceparent)
+    select * from unnest($1::text[], $2::text[], $3::jsonb[], $4::text[])
+    on conflict (event_id) do nothing
+    returning id, event_id";
+
 // Keys whose intent was pruned: a run resumed past retention must not execute them as new.
 pub(crate) const TOMBSTONED: &str = "
     select k from unnest($1::text[]) as k

@@ -14,7 +14,7 @@ use crate::intent::IntentStatus;
 use crate::outcome::answer::{self, KeyState};
 use crate::outcome::Outcome;
 use crate::outcome::{OutcomeError, OutcomeStatus};
-use crate::publish::outbox::{insert_outbox, insert_outbox_prepared, INSERT_OUTBOX_SQL};
+use crate::publish::outbox::{insert_outbox, insert_outbox_handed, INSERT_OUTBOX_HANDED_SQL};
 
 /// The settled state of a call.
 #[derive(Debug, Clone)]
@@ -252,7 +252,7 @@ async fn finish_many(
 ) -> Result<Vec<Option<KeyState>>, DbError> {
     let statements = FinishStatements::prepare(tx).await?;
     let (states, outcomes) = statements.finish(tx, items).await?;
-    statements.insert_outbox(tx, &outcomes, channel).await?;
+    insert_outbox(tx, &outcomes, channel).await?;
     Ok(states)
 }
 
@@ -270,7 +270,7 @@ impl FinishStatements {
         let (lock, finish, outbox) = futures::try_join!(
             client.prepare_cached(LOCK_MANY),
             client.prepare_cached(FINISH_MANY),
-            client.prepare_cached(INSERT_OUTBOX_SQL)
+            client.prepare_cached(INSERT_OUTBOX_HANDED_SQL)
         )?;
         Ok(FinishStatements {
             lock,
@@ -358,14 +358,14 @@ impl FinishStatements {
         Ok((states, outcomes))
     }
 
-    /// Writes the group's outcome events to the outbox; the request goes out when the future
-    /// is first polled.
-    pub(crate) async fn insert_outbox(
+    /// Writes the group's outcome events to the outbox, for the caller to hand to the
+    /// publishers once committed: the id of each row written, by event id. The request goes
+    /// out when the future is first polled.
+    pub(crate) async fn insert_outbox_handed(
         &self,
         client: &impl GenericClient,
         outcomes: &[Outcome],
-        channel: &str,
-    ) -> Result<usize, DbError> {
-        insert_outbox_prepared(client, &self.outbox, outcomes, channel).await
+    ) -> Result<Vec<(i64, String)>, DbError> {
+        insert_outbox_handed(client, &self.outbox, outcomes).await
     }
 }

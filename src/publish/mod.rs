@@ -1,9 +1,12 @@
-//! Publish: outbox rows to the outcomes topic with the idempotent producer, woken by
-//! LISTEN/NOTIFY with a polling fallback. A row leaves the queue of unpublished rows (its mark of
-//! publication) only after Kafka acknowledged it, so a crash in between republishes the same
-//! event ids.
+//! Publish: outbox rows to the outcomes topic with the idempotent producer. The rows a finish
+//! commits are handed over in memory ([`handoff`]); the others (written by the consumer, the
+//! gates, recovery, the CLI, another relay) are read from the queue of unpublished rows, woken
+//! by LISTEN/NOTIFY with a polling fallback. A row leaves the queue (its mark of publication)
+//! only after Kafka acknowledged it, so a crash in between republishes the same event ids.
 
+use crate::publish::handoff::Handoff;
 use crate::publish::outbox::{OutboxRow, RoundStatements};
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -11,7 +14,6 @@ use deadpool_postgres::Pool;
 use futures::StreamExt;
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::FutureRecord;
-use tokio::sync::Notify;
 use tokio_postgres::AsyncMessage;
 use tokio_util::sync::CancellationToken;
 
@@ -20,6 +22,7 @@ use crate::config::Config;
 use crate::db::{self, DbError};
 use crate::metrics::Metrics;
 
+pub mod handoff;
 pub mod outbox;
 
 const GROUP_MAX: i64 = 1000;
@@ -42,12 +45,28 @@ pub struct Publisher {
     pub pool: Pool,
     pub producer: crate::kafka::SharedProducer,
     pub metrics: Arc<Metrics>,
-    pub wake: Arc<Notify>,
+    /// Rows the finishes hand over, and the wake-ups to read the queue.
+    pub handoff: Arc<Handoff>,
+}
+
+/// What a round's sends came to.
+struct Sent<'a> {
+    /// Acknowledged by Kafka: published once out of the queue.
+    acked: HashSet<i64>,
+    /// Refused by the producer for good: set aside (quarantined).
+    refused: Vec<(&'a OutboxRow, rdkafka::error::KafkaError)>,
+    /// The first other failure; its rows stay unpublished for a later round.
+    failed: Option<PublishError>,
+    /// The producer's generation the sends went to, to heal it after a failure.
+    generation: u64,
 }
 
 impl Publisher {
     /// Publishes until `shutdown`, then once more until the outbox is empty or `final_grace`
-    /// has passed.
+    /// has passed. Handed rows go out as they come; the queue is read at start, when asked
+    /// (a NOTIFY, a handed round that failed), after a full round, and every
+    /// `outbox_poll_interval` whatever else happens, for the rows nothing handed (another
+    /// relay's, a crashed run's).
     pub async fn run(
         self,
         shutdown: CancellationToken,
@@ -57,29 +76,43 @@ impl Publisher {
         let mut last_lag = Instant::now() - Duration::from_secs(10);
         // The queue's vacuum runs beside the rounds, never in their way, until `drained`.
         tokio::spawn(vacuum_queue(self.pool.clone(), drained.clone()));
+        let interval = self.config.relay.outbox_poll_interval;
+        let mut poll = true;
+        let mut last_poll = Instant::now();
         loop {
-            let full = match self.publish_once().await {
-                Ok(n) => n as i64 == GROUP_MAX,
-                Err(e) => {
-                    tracing::warn!(error = %e, "outbox publish failed; will retry");
-                    false
+            let handed = self.handoff.take(GROUP_MAX as usize);
+            if !handed.is_empty() {
+                if let Err(e) = self.publish_handed(handed).await {
+                    tracing::warn!(error = %e, "handed outcomes not published; the queue keeps them for the next round");
+                    poll = true;
                 }
-            };
+            }
+            if poll || last_poll.elapsed() >= interval {
+                last_poll = Instant::now();
+                poll = match self.publish_once().await {
+                    Ok(n) => n as i64 == GROUP_MAX,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "outbox publish failed; will retry");
+                        false
+                    }
+                };
+            }
             if last_lag.elapsed() >= Duration::from_secs(2) {
                 self.update_lag().await;
                 last_lag = Instant::now();
             }
-            if full {
+            if poll || !self.handoff.is_empty() {
                 continue;
             }
             tokio::select! {
                 _ = drained.cancelled() => break,
-                _ = self.wake.notified() => {}
-                _ = tokio::time::sleep(self.config.relay.outbox_poll_interval) => {}
+                _ = self.handoff.handed() => {}
+                _ = self.handoff.poll_asked() => poll = true,
+                _ = tokio::time::sleep_until((last_poll + interval).into()) => {}
             }
         }
         let _ = shutdown;
-        // Everything the executor recorded before stopping goes out now.
+        // Everything the executor recorded before stopping goes out now, handed or not.
         let deadline = Instant::now() + final_grace;
         while Instant::now() < deadline {
             match self.publish_once().await {
@@ -102,12 +135,25 @@ impl Publisher {
         }
     }
 
-    /// One batch: lock unpublished rows, send them all, wait for every acknowledgement, dequeue.
-    /// Its transaction is two round trips: the `begin` goes out with the select, the `commit`
-    /// with the dequeue.
+    /// One batch read from the queue: lock unpublished rows, send them all, wait for every
+    /// acknowledgement, dequeue. Its transaction is two round trips: the `begin` goes out with
+    /// the select, the `commit` with the dequeue.
     pub async fn publish_once(&self) -> Result<usize, PublishError> {
         let open = db::OpenTransaction::new(self.pool.get().await.map_err(DbError::from)?);
         let round = self.publish_round(open.client()).await;
+        match open.close(round).await? {
+            (_, Some(failed)) => Err(failed),
+            (rows, None) => Ok(rows),
+        }
+    }
+
+    /// One batch of handed rows: taken out of the queue under lock (rows another round holds
+    /// or published are skipped), sent, and the rows Kafka did not acknowledge put back. Two
+    /// round trips, as a round read from the queue: the `begin` with the dequeue, the `commit`
+    /// with the requeue. A crash before the commit leaves every row queued.
+    pub async fn publish_handed(&self, rows: Vec<OutboxRow>) -> Result<usize, PublishError> {
+        let open = db::OpenTransaction::new(self.pool.get().await.map_err(DbError::from)?);
+        let round = self.handed_round(open.client(), rows).await;
         match open.close(round).await? {
             (_, Some(failed)) => Err(failed),
             (rows, None) => Ok(rows),
@@ -136,12 +182,56 @@ impl Publisher {
         let (rows, stale): (Vec<OutboxRow>, Vec<OutboxRow>) =
             rows.into_iter().partition(|r| r.live);
         let started = std::time::SystemTime::now();
+        let sent = self.send(&rows).await;
+        crate::failpoint::crash_point!("after-publish-before-mark");
+        self.quarantine(client, &sent).await?;
+        let dequeued: Vec<i64> = sent
+            .acked
+            .iter()
+            .copied()
+            .chain(stale.iter().map(|r| r.id))
+            .collect();
+        db::commit_with(client, statements.dequeue(client, &dequeued)).await?;
+        Ok((fetched, self.after_commit(&rows, sent, started).await))
+    }
+
+    /// [`Self::publish_round`] for handed rows.
+    async fn handed_round(
+        &self,
+        client: &deadpool_postgres::Object,
+        rows: Vec<OutboxRow>,
+    ) -> Result<(usize, Option<PublishError>), PublishError> {
+        let statements = RoundStatements::prepare(client).await?;
+        let ids: Vec<i64> = rows.iter().map(|r| r.id).collect();
+        // Not flushed at commit, as a round read from the queue (`publish_round`).
+        let mine =
+            db::begin_unflushed_with(client, statements.dequeue_handed(client, &ids)).await?;
+        let rows: Vec<OutboxRow> = rows.into_iter().filter(|r| mine.contains(&r.id)).collect();
+        if rows.is_empty() {
+            client.batch_execute("commit").await?;
+            return Ok((0, None));
+        }
+        let started = std::time::SystemTime::now();
+        let sent = self.send(&rows).await;
+        crate::failpoint::crash_point!("after-publish-before-mark");
+        self.quarantine(client, &sent).await?;
+        let refused: HashSet<i64> = sent.refused.iter().map(|(r, _)| r.id).collect();
+        let unsent: Vec<i64> = ids
+            .into_iter()
+            .filter(|id| mine.contains(id) && !sent.acked.contains(id) && !refused.contains(id))
+            .collect();
+        db::commit_with(client, statements.requeue(client, &unsent)).await?;
+        Ok((rows.len(), self.after_commit(&rows, sent, started).await))
+    }
+
+    /// Sends the rows and waits for every acknowledgement.
+    async fn send<'a>(&self, rows: &'a [OutboxRow]) -> Sent<'a> {
         let topic = &self.config.kafka.outcomes_topic;
         let (generation, producer) = self.producer.get();
         let mut pending = Vec::with_capacity(rows.len());
         let mut refused = Vec::new();
-        let mut enqueue_failed = None;
-        for row in &rows {
+        let mut failed = None;
+        for row in rows {
             let payload = serde_json::to_vec(&row.payload).expect("json serializes");
             let record = FutureRecord::to(topic)
                 .key(&row.key)
@@ -149,13 +239,13 @@ impl Publisher {
                 .headers(outcome_headers(&row.payload, row.traceparent.as_deref()));
             // send_result only enqueues; the acknowledgements are awaited together below.
             match producer.send_result(record) {
-                Ok(delivery) => pending.push((row.id, row.event_id.clone(), delivery)),
+                Ok(delivery) => pending.push((row, delivery)),
                 // Refused for good: set aside, so the rows after it go out.
                 Err((e, _)) if refused_for_good(&e) => refused.push((row, e)),
                 // The local queue is full (or the producer is failing): what was enqueued is
                 // awaited and marked, the rest waits for the next round.
                 Err((e, _)) => {
-                    enqueue_failed = Some(PublishError::Kafka {
+                    failed = Some(PublishError::Kafka {
                         event_id: row.event_id.clone(),
                         source: e,
                     });
@@ -166,60 +256,76 @@ impl Publisher {
         let results = futures::future::join_all(
             pending
                 .into_iter()
-                .map(|(id, event_id, f)| async move { (id, event_id, f.await) }),
+                .map(|(row, f)| async move { (row, f.await) }),
         )
         .await;
         // What Kafka acknowledged is marked even when something else failed, so one outcome
         // that cannot go out does not send the others again and again.
-        let mut acked = Vec::with_capacity(results.len());
-        let mut failed = enqueue_failed;
-        for (id, event_id, result) in results {
+        let mut acked = HashSet::with_capacity(results.len());
+        for (row, result) in results {
             match result {
-                Ok(Ok(_)) => acked.push(id),
-                Ok(Err((e, _))) if refused_for_good(&e) => {
-                    if let Some(row) = rows.iter().find(|r| r.id == id) {
-                        refused.push((row, e));
-                    }
+                Ok(Ok(_)) => {
+                    acked.insert(row.id);
                 }
+                Ok(Err((e, _))) if refused_for_good(&e) => refused.push((row, e)),
                 Ok(Err((e, _))) => {
                     failed.get_or_insert(PublishError::Kafka {
-                        event_id,
+                        event_id: row.event_id.clone(),
                         source: e,
                     });
                 }
                 Err(_) => {
                     failed.get_or_insert(PublishError::Kafka {
-                        event_id,
+                        event_id: row.event_id.clone(),
                         source: rdkafka::error::KafkaError::Canceled,
                     });
                 }
             }
         }
-        crate::failpoint::crash_point!("after-publish-before-mark");
-        for (row, e) in &refused {
+        Sent {
+            acked,
+            refused,
+            failed,
+            generation,
+        }
+    }
+
+    /// Sets aside the rows the producer refused for good, in the round's transaction.
+    async fn quarantine(
+        &self,
+        client: &deadpool_postgres::Object,
+        sent: &Sent<'_>,
+    ) -> Result<(), PublishError> {
+        for (row, e) in &sent.refused {
             let reason = format!("the producer refused it: {e}");
             crate::publish::outbox::quarantine(client, row.id, &reason).await?;
         }
-        let dequeued: Vec<i64> = acked
-            .iter()
-            .copied()
-            .chain(stale.iter().map(|r| r.id))
-            .collect();
-        db::commit_with(client, statements.dequeue(client, &dequeued)).await?;
-        self.metrics.published(topic, acked.len() as u64);
+        Ok(())
+    }
+
+    /// After a round committed: its metrics, spans and logs, and the producer healed if a send
+    /// failed. Returns that failure.
+    async fn after_commit(
+        &self,
+        rows: &[OutboxRow],
+        sent: Sent<'_>,
+        started: std::time::SystemTime,
+    ) -> Option<PublishError> {
+        let topic = &self.config.kafka.outcomes_topic;
+        self.metrics.published(topic, sent.acked.len() as u64);
         if crate::telemetry::enabled() {
             let published: Vec<&OutboxRow> =
-                rows.iter().filter(|r| acked.contains(&r.id)).collect();
+                rows.iter().filter(|r| sent.acked.contains(&r.id)).collect();
             self.trace_published(&published, started).await;
         }
-        for (row, e) in &refused {
+        for (row, e) in &sent.refused {
             self.metrics.outbox_quarantined();
             tracing::error!(event_id = %row.event_id, key = %row.key, error = %e, "outcome event refused by the producer for good; quarantined in the outbox");
         }
-        if failed.is_some() {
-            self.producer.heal(generation, &self.metrics);
+        if sent.failed.is_some() {
+            self.producer.heal(sent.generation, &self.metrics);
         }
-        Ok((fetched, failed))
+        sent.failed
     }
 
     /// Exports a `send` span for each published outcome, and the action's own span once its
@@ -450,7 +556,7 @@ const TRACED_INTENTS: &str = "
 
 /// Listens on the outbox channel and wakes the publisher on every notification; reconnects
 /// when the connection drops (the publisher polls meanwhile).
-pub async fn listen(config: Arc<Config>, wake: Arc<Notify>, shutdown: CancellationToken) {
+pub async fn listen(config: Arc<Config>, wake: Arc<Handoff>, shutdown: CancellationToken) {
     let channel = crate::publish::outbox::outbox_channel(&config.postgres.schema);
     loop {
         let attempt = async {
@@ -471,7 +577,7 @@ pub async fn listen(config: Arc<Config>, wake: Arc<Notify>, shutdown: Cancellati
                 tokio::select! {
                     _ = shutdown.cancelled() => return Ok(()),
                     m = messages.next() => match m {
-                        Some(Ok(AsyncMessage::Notification(_))) => wake.notify_one(),
+                        Some(Ok(AsyncMessage::Notification(_))) => wake.wake_poll(),
                         Some(Ok(_)) => {}
                         Some(Err(e)) => return Err(DbError::from(e)),
                         None => return Ok(()),

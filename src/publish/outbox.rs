@@ -46,6 +46,55 @@ pub(crate) async fn insert_outbox_prepared(
     Ok(row.get::<_, i64>(0) as usize)
 }
 
+/// Writes outcome events to the outbox without a NOTIFY, for rows the caller hands to the
+/// publishers once its transaction committed: the id of each row written, by event id (an
+/// event already in the outbox is not written again, and not returned). The request goes out
+/// when the future is first polled; `statement` is `INSERT_OUTBOX_HANDED_SQL`, prepared.
+pub(crate) async fn insert_outbox_handed(
+    client: &impl deadpool_postgres::GenericClient,
+    statement: &tokio_postgres::Statement,
+    outcomes: &[Outcome],
+) -> Result<Vec<(i64, String)>, DbError> {
+    if outcomes.is_empty() {
+        return Ok(Vec::new());
+    }
+    let ids: Vec<&str> = outcomes.iter().map(|o| o.event_id.as_str()).collect();
+    let keys: Vec<&str> = outcomes.iter().map(|o| o.key.as_str()).collect();
+    let payloads: Vec<&Value> = outcomes.iter().map(|o| &o.payload).collect();
+    let traces: Vec<Option<&str>> = outcomes.iter().map(|o| o.traceparent.as_deref()).collect();
+    Ok(client
+        .query(statement, &[&ids, &keys, &payloads, &traces])
+        .await?
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect())
+}
+
+pub(crate) use crate::intent::sql::INSERT_OUTBOX_HANDED as INSERT_OUTBOX_HANDED_SQL;
+
+/// The outbox rows that `written` (from [`insert_outbox_handed`]) says were written, built from
+/// the outcomes they were written from, in the order written.
+pub(crate) fn written_rows(outcomes: Vec<Outcome>, written: Vec<(i64, String)>) -> Vec<OutboxRow> {
+    let mut by_event: std::collections::HashMap<String, Outcome> = outcomes
+        .into_iter()
+        .map(|o| (o.event_id.clone(), o))
+        .collect();
+    written
+        .into_iter()
+        .filter_map(|(id, event_id)| {
+            let o = by_event.remove(&event_id)?;
+            Some(OutboxRow {
+                id,
+                live: true,
+                event_id: o.event_id,
+                key: o.key,
+                payload: o.payload,
+                traceparent: o.traceparent,
+            })
+        })
+        .collect()
+}
+
 #[derive(Debug)]
 pub struct OutboxRow {
     pub id: i64,
@@ -79,6 +128,20 @@ const SELECT_UNPUBLISHED: &str = "
 // Published: out of the queue. The outbox row itself is not written (migration 11): an update
 // of a wide row that is not HOT, it rewrote the outcome and every index entry.
 const DEQUEUE: &str = "delete from outbox_pending where id = any($1)";
+
+// Handed rows (`publish::handoff`) taken out of the queue before they are sent, so the row
+// locks of the delete keep every other round off them until the commit: the rows returned are
+// this round's to send. Rows another round holds are skipped, not waited for; rows already out
+// of the queue (another round published them) are not returned.
+const DEQUEUE_HANDED: &str = "
+    delete from outbox_pending
+     where id = any(array(select id from outbox_pending where id = any($1)
+                           for update skip locked))
+    returning id";
+
+// Handed rows taken out of the queue that Kafka did not acknowledge: back in, for a poll.
+const REQUEUE: &str =
+    "insert into outbox_pending (id) select unnest($1::int8[]) on conflict do nothing";
 
 const QUARANTINE: &str = "
     with dequeued as (delete from outbox_pending where id = $1)
@@ -123,15 +186,52 @@ pub(crate) const VACUUM_QUEUE: &str =
 pub(crate) struct RoundStatements {
     select: tokio_postgres::Statement,
     dequeue: tokio_postgres::Statement,
+    dequeue_handed: tokio_postgres::Statement,
+    requeue: tokio_postgres::Statement,
 }
 
 impl RoundStatements {
     pub(crate) async fn prepare(client: &impl GenericClient) -> Result<Self, DbError> {
-        let (select, dequeue) = futures::try_join!(
+        let (select, dequeue, dequeue_handed, requeue) = futures::try_join!(
             client.prepare_cached(SELECT_UNPUBLISHED),
-            client.prepare_cached(DEQUEUE)
+            client.prepare_cached(DEQUEUE),
+            client.prepare_cached(DEQUEUE_HANDED),
+            client.prepare_cached(REQUEUE)
         )?;
-        Ok(RoundStatements { select, dequeue })
+        Ok(RoundStatements {
+            select,
+            dequeue,
+            dequeue_handed,
+            requeue,
+        })
+    }
+
+    /// Takes handed rows out of the queue, locked until the commit: the ids this round may
+    /// send (not those another round holds or published already).
+    pub(crate) async fn dequeue_handed(
+        &self,
+        client: &impl GenericClient,
+        ids: &[i64],
+    ) -> Result<std::collections::HashSet<i64>, DbError> {
+        Ok(client
+            .query(&self.dequeue_handed, &[&ids])
+            .await?
+            .iter()
+            .map(|r| r.get(0))
+            .collect())
+    }
+
+    /// Puts ids taken out by [`Self::dequeue_handed`] back in the queue. The request goes out
+    /// when the future is first polled.
+    pub(crate) async fn requeue(
+        &self,
+        client: &impl GenericClient,
+        ids: &[i64],
+    ) -> Result<(), DbError> {
+        if !ids.is_empty() {
+            client.execute(&self.requeue, &[&ids]).await?;
+        }
+        Ok(())
     }
 
     /// Locks up to `limit` unpublished rows, oldest first, skipping those another round holds.
