@@ -19,7 +19,7 @@
 //! | [`gates`] | approval, per-run limits, reattempts, retention and tombstones |
 //! | [`execute`] | queue and permits, claim, the http call and its verification, sql tools, leases, the attempt log's rule |
 //! | [`outcome`] | the contract out: finish (group-committed, fenced by epoch), answers and notes, [`outcome::ErrorCode`] |
-//! | `publish` | outbox rows, LISTEN/NOTIFY wake-ups, the idempotent publisher |
+//! | `publish` | outbox rows, the finish's hand-off in memory, LISTEN/NOTIFY wake-ups, the idempotent publisher |
 //! | `recovery` | the sweep: lapsed claims and stale intents handed on as the attempt log decides |
 //! | [`ops`] | what people do: `explain`, `resolve`, the admin API (CLI and HTTP call the same functions) |
 //! | [`mcp`] | idem as an MCP server: the catalogue as `tools/list`, a `tools/call` published as an action and answered with its outcome |

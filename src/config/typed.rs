@@ -66,7 +66,8 @@ pub struct RelayConfig {
     /// How long a claim on an intent lasts without being extended.
     pub lease: Duration,
     pub recovery_interval: Duration,
-    /// Fallback when no LISTEN/NOTIFY wake-up arrives.
+    /// How often the publishers read the outbox's queue for rows nothing handed over or
+    /// notified (another relay's, a crashed run's, a failed round's).
     pub outbox_poll_interval: Duration,
     /// Distinct intents one run may record across all tools.
     pub max_per_run: Option<u32>,
