@@ -203,6 +203,9 @@ pub async fn record_batch(
     channel: &str,
     claimant: Claimant<'_>,
 ) -> Result<BatchResult, DbError> {
+    if let Some(recorded) = record_speculating(tx, items, channel, claimant).await? {
+        return Ok(recorded);
+    }
     let mut rec = Recording::default();
     // 1. Which records and event ids were seen before: redeliveries and producer retries. The
     // reads take no locks and see what is committed, in the transaction or not (read
@@ -214,7 +217,9 @@ pub async fn record_batch(
     let refused = refuse_before_record(tx, &mut rec, &mut to_insert, &seen.stale).await?;
     // 3. and 4. New intents, and the per-run limits counted with them.
     if !to_insert.is_empty() {
-        record_new(tx, &mut rec, &to_insert, claimant, &mut pending).await?;
+        let limited = limited(&to_insert);
+        let by_event = insert_intents(tx, &to_insert, claimant, limited).await?;
+        record_new(tx, &mut rec, &to_insert, by_event, claimant, &mut pending).await?;
     }
     // 5. Repeats, against the stored key, and the direct answers of records read again.
     if !pending.is_empty() || !again.is_empty() {
@@ -222,6 +227,71 @@ pub async fn record_batch(
     }
     // 6. and 7. Every delivery and the immediate answers, and the commit.
     rec.write_and_commit(tx, channel).await
+}
+
+/// [`record_batch`] one round trip shorter, for the usual batch: nothing in it seen before, no
+/// key pruned. The batch is classified as if the reads of seen events and tombstones (step 1)
+/// found nothing, and the intent insert that follows from that goes out with them, behind the
+/// `begin`: Postgres runs them in that order, as in the longer path, only without waiting for
+/// the reads' answers in between. When a read did find something (a redelivery, a producer
+/// retry, a pruned key), the insert was built on a wrong premise: the transaction is rolled
+/// back and `None` returned, for the longer path. Batches whose gates read the database before
+/// the insert (failed reattempts) are not speculated on (`None` at once).
+async fn record_speculating(
+    tx: &impl GenericClient,
+    items: &[Incoming],
+    channel: &str,
+    claimant: Claimant<'_>,
+) -> Result<Option<BatchResult>, DbError> {
+    let mut rec = Recording::default();
+    let arrivals = classify::arrivals(items, &HashSet::new(), HashSet::new());
+    let (mut to_insert, mut pending, again) = rec.sort(items, arrivals, &HashSet::new());
+    let reads_before_insert = to_insert
+        .iter()
+        .any(|a| a.gates.max_reattempts.is_some() && a.event.data.business_id.is_some());
+    if to_insert.is_empty() || reads_before_insert {
+        return Ok(None);
+    }
+    // Pure with no tombstone and no failed reattempt: no read.
+    let refused = refuse_before_record(tx, &mut rec, &mut to_insert, &HashSet::new()).await?;
+    if to_insert.is_empty() {
+        return Ok(None);
+    }
+    let limited = limited(&to_insert);
+    let (seen, by_event) = crate::db::begin_with(tx, async {
+        futures::try_join!(
+            seen_before(tx, items),
+            insert_intents(tx, &to_insert, claimant, limited)
+        )
+    })
+    .await?;
+    if !(seen.records.is_empty() && seen.events.is_empty() && seen.stale.is_empty()) {
+        tracing::debug!(
+            redelivered = seen.records.len(),
+            retried = seen.events.len(),
+            pruned = seen.stale.len(),
+            "the batch had been seen in part: recorded again without speculating"
+        );
+        tx.batch_execute("rollback").await?;
+        return Ok(None);
+    }
+    debug_assert!(
+        again.is_empty(),
+        "no record is read again when none was seen"
+    );
+    record_new(tx, &mut rec, &to_insert, by_event, claimant, &mut pending).await?;
+    if !pending.is_empty() {
+        answer_repeats(tx, &mut rec, pending, again, &refused).await?;
+    }
+    rec.write_and_commit(tx, channel).await.map(Some)
+}
+
+/// Whether any candidate counts against a per-run limit, so its first call is opened only once
+/// counted.
+fn limited(to_insert: &[&KeyedAction]) -> bool {
+    to_insert
+        .iter()
+        .any(|a| a.gates.max_per_run.is_some() || a.gates.run_cap.is_some())
 }
 
 /// What one batch's transaction writes besides its intents, gathered as it is classified.
@@ -509,23 +579,21 @@ async fn refuse_before_record<'a>(
     Ok(refused)
 }
 
-/// Inserts the candidates (the unique key index decides who is first; a key recorded first by
-/// another delivery becomes a repeat), then counts per-run limits with the insert: the N+1-th
-/// distinct intent is refused. Intents that need a person's approval are recorded parked and
-/// answered as such.
+/// Follows the candidates' insert (`by_event`, from [`insert_intents`]: the unique key index
+/// decided who is first; a key recorded first by another delivery becomes a repeat), then
+/// counts per-run limits with the insert: the N+1-th distinct intent is refused. Intents that
+/// need a person's approval are recorded parked and answered as such.
 async fn record_new<'a>(
     tx: &impl GenericClient,
     rec: &mut Recording,
     to_insert: &[&'a KeyedAction],
+    by_event: HashMap<String, i64>,
     claimant: Claimant<'_>,
     pending: &mut Vec<(&'a KeyedAction, Origin)>,
 ) -> Result<(), DbError> {
     // Without per-run limits nothing refuses a claimed row once inserted: its first call is
     // opened by the insert itself.
-    let limited = to_insert
-        .iter()
-        .any(|a| a.gates.max_per_run.is_some() || a.gates.run_cap.is_some());
-    let by_event = insert_intents(tx, to_insert, claimant, limited).await?;
+    let limited = limited(to_insert);
     let mut recorded: Vec<(&KeyedAction, i64)> = Vec::new();
     for &a in to_insert {
         match by_event.get(&a.event.id) {
