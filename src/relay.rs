@@ -175,7 +175,7 @@ async fn connect_kafka(
     if config.kafka.create_topics {
         kafka::ensure_topics(&config.kafka).await?;
     }
-    kafka::check_topics(&config.kafka)
+    let produce_limit = kafka::check_topics(&config.kafka)
         .await
         .map_err(RelayError::Topics)?;
     let up = Arc::new(AtomicBool::new(false));
@@ -194,7 +194,8 @@ async fn connect_kafka(
         std::time::Duration::from_secs(10),
     )?;
     up.store(true, Ordering::Relaxed);
-    let producer = kafka::SharedProducer::new(&config.kafka)?;
+    let producer =
+        kafka::SharedProducer::new(&kafka::sized_to_topics(&config.kafka, produce_limit))?;
     Ok(KafkaClients {
         consumer,
         producer,

@@ -1109,6 +1109,87 @@ async fn a_handed_row_and_another_relays_poll_publish_it_once() {
     b.stop().await;
 }
 
+/// An outcomes topic that takes smaller record batches than the producer makes
+/// (`max.message.bytes` 2,000 bytes, against librdkafka's 1,000,000): the broker refuses a whole
+/// batch that is too large, every outcome in it with "message size too large", though each
+/// would fit alone. The relay sizes its batches to the topic, so every outcome goes out and none
+/// is quarantined for a batch it was merely part of; one row too large for the topic on its own
+/// is quarantined alone.
+#[tokio::test]
+async fn an_outcomes_topic_with_a_small_batch_limit_gets_every_outcome() {
+    use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+    use rdkafka::client::DefaultClientContext;
+    let env = Env::new().await;
+    let admin: AdminClient<DefaultClientContext> = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", common::brokers())
+        .create()
+        .unwrap();
+    let one = || TopicReplication::Fixed(1);
+    let topics = [
+        NewTopic::new(&env.actions, 6, one()),
+        NewTopic::new(&env.outcomes, 6, one()).set("max.message.bytes", "2000"),
+        NewTopic::new(&env.dlq, 1, one()),
+    ];
+    for r in admin
+        .create_topics(&topics, &AdminOptions::new())
+        .await
+        .unwrap()
+    {
+        r.unwrap();
+    }
+    let outcomes = env.outcomes().await;
+    let config = env.config(EMAIL, "").await;
+    let pg = env.pg().await;
+    let big = json!({"id": "o-big", "data": {"blob": "x".repeat(3_000)}});
+    insert_outbox_row(&pg, "o-big", "k-big", &big).await;
+    let relay = env.start(config).await;
+    let p = env.producer();
+    let ids: Vec<String> = (0..200).map(|n| format!("evt-b{n}")).collect();
+    for (n, id) in ids.iter().enumerate() {
+        p.send(&action(id, email("run_b", &format!("order_{n}"), "Hi")))
+            .await;
+    }
+    // (the big row quarantined, others quarantined)
+    let quarantined = || async {
+        let row = pg
+            .query_one(
+                "select count(*) filter (where event_id = 'o-big'
+                                           and quarantine_reason like '%too large%'),
+                        count(*) filter (where event_id <> 'o-big')
+                   from outbox where quarantined_at is not null",
+                &[],
+            )
+            .await
+            .unwrap();
+        (row.get::<_, i64>(0), row.get::<_, i64>(1))
+    };
+    let answered = || {
+        let all: HashSet<String> = outcomes
+            .json()
+            .iter()
+            .filter_map(|o| o["data"]["action_event_id"].as_str().map(str::to_string))
+            .collect();
+        ids.iter().filter(|id| all.contains(*id)).count()
+    };
+    common::eventually(
+        "every action answered and the big row quarantined, or another outcome quarantined",
+        Duration::from_secs(60),
+        || async {
+            let (big, others) = quarantined().await;
+            (answered() == ids.len() && big == 1) || others > 0
+        },
+    )
+    .await;
+    assert_eq!(
+        quarantined().await,
+        (1, 0),
+        "(the big row, other outcomes) quarantined"
+    );
+    assert_eq!(answered(), ids.len());
+    assert_eq!(env.downstream.total_effects(), 200);
+    relay.stop().await;
+}
+
 /// Writes the outbox row of a `succeeded` outcome answering `event`, its id `o-{event}`.
 async fn insert_outcome(pg: &tokio_postgres::Client, event: &str, key: &str) {
     let id = format!("o-{event}");

@@ -195,6 +195,42 @@ pub fn producer(cfg: &KafkaConfig) -> Result<FutureProducer, KafkaError> {
     c.create()
 }
 
+/// librdkafka's default `batch.size` and `message.max.bytes` (bytes).
+const LIBRDKAFKA_BATCH: i64 = 1_000_000;
+/// Room left in a batch for the record batch's own header and framing, which the broker counts
+/// against `max.message.bytes` and librdkafka may not.
+const BATCH_FRAMING: i64 = 512;
+
+/// `cfg` with the producer's batches sized to `limit`, the smallest `max.message.bytes` of the
+/// topics it produces to ([`check_topics`]). The broker refuses a record batch larger than that
+/// whole, every record in it "too large" though each would fit alone, and the publisher would
+/// quarantine them all. So when the topics take less than librdkafka batches by default:
+/// `batch.size` is set below the limit, and `message.max.bytes` to it, so that a single record
+/// too large for the topic is refused by the producer on its own. Settings the operator made
+/// in `kafka.producer` are kept.
+pub fn sized_to_topics(cfg: &KafkaConfig, limit: Option<i64>) -> KafkaConfig {
+    let mut sized = cfg.clone();
+    let Some(limit) = limit.filter(|l| *l < LIBRDKAFKA_BATCH) else {
+        return sized;
+    };
+    let batch = (limit - BATCH_FRAMING).max(1);
+    let overrides = &mut sized.producer_overrides;
+    let mut set = |key: &str, value: i64| {
+        if !overrides.contains_key(key) {
+            overrides.insert(key.to_string(), value.to_string());
+        }
+    };
+    // librdkafka takes no `message.max.bytes` below 1,000.
+    set("message.max.bytes", limit.max(1_000));
+    set("batch.size", batch);
+    tracing::info!(
+        max_message_bytes = limit,
+        batch_size = %sized.producer_overrides["batch.size"],
+        "the producer's batches are sized to the topics' max.message.bytes"
+    );
+    sized
+}
+
 /// The relay's producer (outcomes and dead letters), replaced by a new one when librdkafka
 /// reports a fatal error: an idempotent producer that lost track of its sequence numbers can
 /// never send again, and without a new one every outcome would wait forever.

@@ -45,6 +45,8 @@ pub struct TopicShape {
     pub replication: i32,
     /// `min.insync.replicas`, when the broker said.
     pub min_insync: Option<i32>,
+    /// `max.message.bytes`, when the broker said: the largest record batch it takes.
+    pub max_message_bytes: Option<i64>,
 }
 
 /// What is wrong with a topic the relay uses.
@@ -118,8 +120,9 @@ pub fn problems(shape: Option<&TopicShape>, partitions: Option<i32>) -> Vec<Topi
 }
 
 /// Asks the brokers about the actions, outcomes and dead-letter topics; logs every problem and
-/// fails on the ones the relay cannot work with.
-pub async fn check_topics(cfg: &KafkaConfig) -> Result<(), String> {
+/// fails on the ones the relay cannot work with. Returns the smallest `max.message.bytes` of
+/// the topics the relay produces to (outcomes, dead letters), when the brokers said.
+pub async fn check_topics(cfg: &KafkaConfig) -> Result<Option<i64>, String> {
     let admin: Arc<AdminClient<DefaultClientContext>> =
         Arc::new(client_config(cfg).create().map_err(|e| e.to_string())?);
     // The dead-letter topic may be missing: bad input then waits (its batch is read again)
@@ -130,8 +133,14 @@ pub async fn check_topics(cfg: &KafkaConfig) -> Result<(), String> {
         (cfg.dlq_topic.clone(), None, false),
     ];
     let mut fatal = Vec::new();
+    let mut produce_limit: Option<i64> = None;
     for (topic, partitions, required) in names {
         let shape = describe_settled(&admin, &topic).await?;
+        if topic != cfg.actions_topic {
+            if let Some(limit) = shape.as_ref().and_then(|s| s.max_message_bytes) {
+                produce_limit = Some(produce_limit.map_or(limit, |l| l.min(limit)));
+            }
+        }
         for problem in problems(shape.as_ref(), partitions) {
             if problem.is_fatal() && (required || problem != TopicProblem::Missing) {
                 tracing::error!(topic, problem = %problem, "topic unusable");
@@ -142,7 +151,7 @@ pub async fn check_topics(cfg: &KafkaConfig) -> Result<(), String> {
         }
     }
     if fatal.is_empty() {
-        Ok(())
+        Ok(produce_limit)
     } else {
         Err(fatal.join("; "))
     }
@@ -188,22 +197,24 @@ async fn describe(
     }
     let replication = t.partitions()[0].replicas().len() as i32;
     let opts = AdminOptions::new().request_timeout(Some(Duration::from_secs(10)));
-    let min_insync = admin
+    let resource = admin
         .describe_configs(&[ResourceSpecifier::Topic(topic)], &opts)
         .await
         .ok()
         .and_then(|mut results| results.pop())
-        .and_then(Result::ok)
-        .and_then(|resource| {
-            resource
-                .get("min.insync.replicas")
-                .and_then(|e| e.value.as_deref())
-                .and_then(|v| v.parse().ok())
-        });
+        .and_then(Result::ok);
+    let setting = |name: &str| {
+        resource
+            .as_ref()
+            .and_then(|r| r.get(name))
+            .and_then(|e| e.value.as_deref())
+            .map(str::to_string)
+    };
     Ok(Some(TopicShape {
         partitions: t.partitions().len() as i32,
         replication,
-        min_insync,
+        min_insync: setting("min.insync.replicas").and_then(|v| v.parse().ok()),
+        max_message_bytes: setting("max.message.bytes").and_then(|v| v.parse().ok()),
     }))
 }
 
@@ -216,6 +227,7 @@ mod tests {
             partitions,
             replication,
             min_insync,
+            max_message_bytes: None,
         }
     }
 
