@@ -207,16 +207,17 @@ const BATCH_FRAMING: i64 = 512;
 /// quarantine them all. So when the topics take less than librdkafka batches by default:
 /// `batch.size` is set below the limit, and `message.max.bytes` to it, so that a single record
 /// too large for the topic is refused by the producer on its own. Settings the operator made
-/// in `kafka.producer` are kept.
+/// (in `kafka.producer` or `kafka.client`) are kept.
 pub fn sized_to_topics(cfg: &KafkaConfig, limit: Option<i64>) -> KafkaConfig {
     let mut sized = cfg.clone();
     let Some(limit) = limit.filter(|l| *l < LIBRDKAFKA_BATCH) else {
         return sized;
     };
     let batch = (limit - BATCH_FRAMING).max(1);
+    let client = &cfg.client;
     let overrides = &mut sized.producer_overrides;
     let mut set = |key: &str, value: i64| {
-        if !overrides.contains_key(key) {
+        if !overrides.contains_key(key) && !client.contains_key(key) {
             overrides.insert(key.to_string(), value.to_string());
         }
     };
@@ -225,7 +226,7 @@ pub fn sized_to_topics(cfg: &KafkaConfig, limit: Option<i64>) -> KafkaConfig {
     set("batch.size", batch);
     tracing::info!(
         max_message_bytes = limit,
-        batch_size = %sized.producer_overrides["batch.size"],
+        batch_size = ?sized.producer_overrides.get("batch.size"),
         "the producer's batches are sized to the topics' max.message.bytes"
     );
     sized
