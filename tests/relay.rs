@@ -1117,26 +1117,8 @@ async fn a_handed_row_and_another_relays_poll_publish_it_once() {
 /// is quarantined alone.
 #[tokio::test]
 async fn an_outcomes_topic_with_a_small_batch_limit_gets_every_outcome() {
-    use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
-    use rdkafka::client::DefaultClientContext;
     let env = Env::new().await;
-    let admin: AdminClient<DefaultClientContext> = rdkafka::ClientConfig::new()
-        .set("bootstrap.servers", common::brokers())
-        .create()
-        .unwrap();
-    let one = || TopicReplication::Fixed(1);
-    let topics = [
-        NewTopic::new(&env.actions, 6, one()),
-        NewTopic::new(&env.outcomes, 6, one()).set("max.message.bytes", "2000"),
-        NewTopic::new(&env.dlq, 1, one()),
-    ];
-    for r in admin
-        .create_topics(&topics, &AdminOptions::new())
-        .await
-        .unwrap()
-    {
-        r.unwrap();
-    }
+    make_topics(&env, 6, ("max.message.bytes", "2000")).await;
     let outcomes = env.outcomes().await;
     let config = env.config(EMAIL, "").await;
     let pg = env.pg().await;
@@ -1188,6 +1170,31 @@ async fn an_outcomes_topic_with_a_small_batch_limit_gets_every_outcome() {
     assert_eq!(answered(), ids.len());
     assert_eq!(env.downstream.total_effects(), 200);
     relay.stop().await;
+}
+
+/// Makes the test's topics by hand, one replica each: actions with `action_partitions`, outcomes
+/// with 6 and one topic setting, dead letters with 1.
+async fn make_topics(env: &Env, action_partitions: i32, outcomes_setting: (&str, &str)) {
+    use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+    use rdkafka::client::DefaultClientContext;
+    let admin: AdminClient<DefaultClientContext> = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", common::brokers())
+        .create()
+        .unwrap();
+    let one = || TopicReplication::Fixed(1);
+    let (name, value) = outcomes_setting;
+    let topics = [
+        NewTopic::new(&env.actions, action_partitions, one()),
+        NewTopic::new(&env.outcomes, 6, one()).set(name, value),
+        NewTopic::new(&env.dlq, 1, one()),
+    ];
+    for r in admin
+        .create_topics(&topics, &AdminOptions::new())
+        .await
+        .unwrap()
+    {
+        r.unwrap();
+    }
 }
 
 /// Writes the outbox row of a `succeeded` outcome answering `event`, its id `o-{event}`.
@@ -1535,8 +1542,6 @@ async fn topics_get_the_brokers_replication_unless_the_config_names_one() {
 /// the topic and the reason; a partition count other than configured is only a warning.
 #[tokio::test]
 async fn topics_the_relay_cannot_work_with_stop_the_start() {
-    use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
-    use rdkafka::client::DefaultClientContext;
     let env = Env::new().await;
     let text = env
         .config_text(EMAIL, "")
@@ -1560,23 +1565,7 @@ async fn topics_the_relay_cannot_work_with_stop_the_start() {
 
     // The topics made by hand: actions with 3 partitions (a warning), outcomes with
     // min.insync.replicas = 2 on the one local broker (nothing could be acknowledged).
-    let admin: AdminClient<DefaultClientContext> = rdkafka::ClientConfig::new()
-        .set("bootstrap.servers", common::brokers())
-        .create()
-        .unwrap();
-    let one = || TopicReplication::Fixed(1);
-    let topics = [
-        NewTopic::new(&env.actions, 3, one()),
-        NewTopic::new(&env.outcomes, 6, one()).set("min.insync.replicas", "2"),
-        NewTopic::new(&env.dlq, 1, one()),
-    ];
-    for r in admin
-        .create_topics(&topics, &AdminOptions::new())
-        .await
-        .unwrap()
-    {
-        r.unwrap();
-    }
+    make_topics(&env, 3, ("min.insync.replicas", "2")).await;
     let e = start(config.clone())
         .await
         .expect("min.insync.replicas 2 of 1 stops the start");

@@ -69,23 +69,27 @@ pub(crate) const INSERT_DELIVERIES: &str = "
                          $7::text[], $8::bool[], $9::int4[], $10::text[])";
 
 // The publisher is woken (NOTIFY, delivered at commit) only when a row was new.
-pub(crate) const INSERT_OUTBOX: &str = "
-    with o as (
-        insert into outbox (event_id, kafka_key, payload, traceparent)
-        select * from unnest($1::text[], $2::text[], $3::jsonb[], $4::text[])
-        on conflict (event_id) do nothing
-        returning 1
-    )
+// Outcome events into the outbox; an event already there is not written again.
+macro_rules! insert_outbox {
+    () => {
+        "insert into outbox (event_id, kafka_key, payload, traceparent)
+         select * from unnest($1::text[], $2::text[], $3::jsonb[], $4::text[])
+         on conflict (event_id) do nothing"
+    };
+}
+
+// Counts the rows written and notifies the publishers ($5, the schema's channel) when any was.
+pub(crate) const INSERT_OUTBOX: &str = concat!(
+    "with o as (",
+    insert_outbox!(),
+    " returning 1)
     select n, case when n > 0 then pg_notify($5, '') end
-      from (select count(*) as n from o) c";
+      from (select count(*) as n from o) c"
+);
 
 // The same without the NOTIFY, returning the rows written, for a writer that hands them to the
 // publishers in memory once committed (`publish::handoff`).
-pub(crate) const INSERT_OUTBOX_HANDED: &str = "
-    insert into outbox (event_id, kafka_key, payload, traceparent)
-    select * from unnest($1::text[], $2::text[], $3::jsonb[], $4::text[])
-    on conflict (event_id) do nothing
-    returning id, event_id";
+pub(crate) const INSERT_OUTBOX_HANDED: &str = concat!(insert_outbox!(), " returning id, event_id");
 
 // Keys whose intent was pruned: a run resumed past retention must not execute them as new.
 pub(crate) const TOMBSTONED: &str = "

@@ -127,17 +127,18 @@ pub async fn check_topics(cfg: &KafkaConfig) -> Result<Option<i64>, String> {
         Arc::new(client_config(cfg).create().map_err(|e| e.to_string())?);
     // The dead-letter topic may be missing: bad input then waits (its batch is read again)
     // until the topic exists, and everything else flows.
+    // (topic, partitions expected, required, the relay produces to it)
     let names = [
-        (cfg.actions_topic.clone(), Some(cfg.partitions), true),
-        (cfg.outcomes_topic.clone(), Some(cfg.partitions), true),
-        (cfg.dlq_topic.clone(), None, false),
+        (cfg.actions_topic.clone(), Some(cfg.partitions), true, false),
+        (cfg.outcomes_topic.clone(), Some(cfg.partitions), true, true),
+        (cfg.dlq_topic.clone(), None, false, true),
     ];
     let mut fatal = Vec::new();
     let mut produce_limit: Option<i64> = None;
-    for (topic, partitions, required) in names {
+    for (topic, partitions, required, produced_to) in names {
         let shape = describe_settled(&admin, &topic).await?;
-        if topic != cfg.actions_topic {
-            if let Some(limit) = shape.as_ref().and_then(|s| s.max_message_bytes) {
+        if let Some(limit) = shape.as_ref().and_then(|s| s.max_message_bytes) {
+            if produced_to {
                 produce_limit = Some(produce_limit.map_or(limit, |l| l.min(limit)));
             }
         }

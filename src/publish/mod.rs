@@ -216,9 +216,10 @@ impl Publisher {
         crate::failpoint::crash_point!("after-publish-before-mark");
         self.quarantine(client, &sent).await?;
         let refused: HashSet<i64> = sent.refused.iter().map(|(r, _)| r.id).collect();
-        let unsent: Vec<i64> = ids
-            .into_iter()
-            .filter(|id| mine.contains(id) && !sent.acked.contains(id) && !refused.contains(id))
+        let unsent: Vec<i64> = rows
+            .iter()
+            .map(|r| r.id)
+            .filter(|id| !sent.acked.contains(id) && !refused.contains(id))
             .collect();
         db::commit_with(client, statements.requeue(client, &unsent)).await?;
         Ok((rows.len(), self.after_commit(&rows, sent, started).await))

@@ -36,14 +36,29 @@ pub(crate) async fn insert_outbox_prepared(
     if outcomes.is_empty() {
         return Ok(0);
     }
-    let ids: Vec<&str> = outcomes.iter().map(|o| o.event_id.as_str()).collect();
-    let keys: Vec<&str> = outcomes.iter().map(|o| o.key.as_str()).collect();
-    let payloads: Vec<&Value> = outcomes.iter().map(|o| &o.payload).collect();
-    let traces: Vec<Option<&str>> = outcomes.iter().map(|o| o.traceparent.as_deref()).collect();
+    let (ids, keys, payloads, traces) = columns(outcomes);
     let row = tx
         .query_one(statement, &[&ids, &keys, &payloads, &traces, &channel])
         .await?;
     Ok(row.get::<_, i64>(0) as usize)
+}
+
+/// The outbox insert's parameters, one array per column: event ids, Kafka keys, payloads,
+/// trace contexts.
+type Columns<'a> = (
+    Vec<&'a str>,
+    Vec<&'a str>,
+    Vec<&'a Value>,
+    Vec<Option<&'a str>>,
+);
+
+fn columns(outcomes: &[Outcome]) -> Columns<'_> {
+    (
+        outcomes.iter().map(|o| o.event_id.as_str()).collect(),
+        outcomes.iter().map(|o| o.key.as_str()).collect(),
+        outcomes.iter().map(|o| &o.payload).collect(),
+        outcomes.iter().map(|o| o.traceparent.as_deref()).collect(),
+    )
 }
 
 /// Writes outcome events to the outbox without a NOTIFY, for rows the caller hands to the
@@ -58,10 +73,7 @@ pub(crate) async fn insert_outbox_handed(
     if outcomes.is_empty() {
         return Ok(Vec::new());
     }
-    let ids: Vec<&str> = outcomes.iter().map(|o| o.event_id.as_str()).collect();
-    let keys: Vec<&str> = outcomes.iter().map(|o| o.key.as_str()).collect();
-    let payloads: Vec<&Value> = outcomes.iter().map(|o| &o.payload).collect();
-    let traces: Vec<Option<&str>> = outcomes.iter().map(|o| o.traceparent.as_deref()).collect();
+    let (ids, keys, payloads, traces) = columns(outcomes);
     Ok(client
         .query(statement, &[&ids, &keys, &payloads, &traces])
         .await?
