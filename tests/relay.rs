@@ -1172,6 +1172,71 @@ async fn an_outcomes_topic_with_a_small_batch_limit_gets_every_outcome() {
     relay.stop().await;
 }
 
+/// A finish's outcome the producer refuses on the path that hands rows over in memory (the poll
+/// an hour apart, so nothing else can send it): the outcome is quarantined, its id leaves the
+/// queue for good rather than being put back and refused again, and the outcomes handed over
+/// with it go out. The outcomes topic takes 1,200 bytes, so the relay's producer does too; an
+/// action whose key, run and event id are long makes an outcome above that.
+#[tokio::test]
+async fn a_handed_outcome_the_producer_refuses_is_quarantined_and_the_rest_go_out() {
+    let env = Env::new().await;
+    make_topics(&env, 6, ("max.message.bytes", "1200")).await;
+    let outcomes = env.outcomes().await;
+    let mut config = env.config(EMAIL, "").await;
+    config.relay.outbox_poll_interval = Duration::from_secs(3600);
+    let pg = env.pg().await;
+    let relay = env.start(config).await;
+    let p = env.producer();
+    let ids: Vec<String> = (0..20).map(|n| format!("evt-q{n}")).collect();
+    let long_id = format!("evt-q-long-{}", "e".repeat(240));
+    let long_run = format!("run_q_{}", "r".repeat(110));
+    for (n, id) in ids.iter().enumerate() {
+        p.send(&action(id, email("run_q", &format!("order_{n}"), "Hi")))
+            .await;
+        if n == 10 {
+            let long = email(&long_run, &format!("order_{}", "b".repeat(110)), "Hi");
+            p.send(&action(&long_id, long)).await;
+        }
+    }
+    let answered = outcomes.answer_all(&ids, Duration::from_secs(30)).await;
+    assert!(answered.iter().all(|o| o["data"]["status"] == "succeeded"));
+    let quarantined = || async {
+        pg.query(
+            "select payload::text, quarantine_reason from outbox where quarantined_at is not null",
+            &[],
+        )
+        .await
+        .unwrap()
+    };
+    common::eventually(
+        "the long outcome quarantined",
+        Duration::from_secs(30),
+        || async { !quarantined().await.is_empty() },
+    )
+    .await;
+    let rows = quarantined().await;
+    assert_eq!(rows.len(), 1, "only the long outcome is quarantined");
+    let (payload, reason): (String, String) = (rows[0].get(0), rows[0].get(1));
+    assert!(
+        payload.contains(&long_id) && payload.len() > 1200,
+        "{payload}"
+    );
+    assert!(reason.contains("too large"), "{reason}");
+    common::outbox_drained(&pg, "the refused row not put back").await;
+    let refused: serde_json::Value = serde_json::from_str(&payload).unwrap();
+    assert!(
+        !outcomes.json().iter().any(|o| o["id"] == refused["id"]),
+        "the refused outcome reached the topic"
+    );
+    let m = common::metrics(relay.admin()).await;
+    assert!(
+        m.lines().any(|l| l == "idem_outbox_quarantined_total 1"),
+        "{m}"
+    );
+    assert_eq!(env.downstream.total_effects(), 21);
+    relay.stop().await;
+}
+
 /// Makes the test's topics by hand, one replica each: actions with `action_partitions`, outcomes
 /// with 6 and one topic setting, dead letters with 1.
 async fn make_topics(env: &Env, action_partitions: i32, outcomes_setting: (&str, &str)) {
