@@ -345,6 +345,28 @@ async fn a_pruned_key_resumed_is_stale_and_parked_keys_are_never_pruned() {
         .map(|r| r.get(0))
         .collect();
     assert_eq!(left, ["r6:refund:ticket-7:o9", "r6:send_sms:hi"]);
+    // The pruned key's deliveries and attempts went with it (a trigger since migration 12, no
+    // longer the foreign keys); the other keys' stayed.
+    for (table, kept_rows) in [("deliveries", 2), ("attempts", 1)] {
+        let (orphans, pruned_keys, kept): (i64, i64, i64) = {
+            let row = pg
+                .query_one(
+                    &format!(
+                        "select count(*) filter (where not exists
+                                    (select 1 from intents i where i.id = t.intent_id)),
+                                count(*) filter (where idempotency_key = 'r5:send_sms:hello'),
+                                count(*) filter (where idempotency_key like 'r6:%')
+                           from {table} t where intent_id is not null"
+                    ),
+                    &[],
+                )
+                .await
+                .unwrap();
+            (row.get(0), row.get(1), row.get(2))
+        };
+        assert_eq!((orphans, pruned_keys), (0, 0), "{table} of the pruned key");
+        assert_eq!(kept, kept_rows, "{table} of the kept keys");
+    }
 
     // The run resumes from a checkpoint after the key was pruned: it must not run as new.
     // Sent twice (a client retry with a new event id) while no relay runs, so both land in one

@@ -69,6 +69,11 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "0011_published_by_the_queue",
         include_str!("../../schemas/postgres/0011_published_by_the_queue.sql"),
     ),
+    (
+        12,
+        "0012_no_foreign_key_checks",
+        include_str!("../../schemas/postgres/0012_no_foreign_key_checks.sql"),
+    ),
 ];
 
 /// Lets `?` turn a driver error into a stage's error whose `Db` variant wraps [`DbError`]: the

@@ -16,7 +16,7 @@ use crate::db::DbError;
 const BATCH: i64 = 250;
 
 // Finished keys past retention whose run waits on nothing, in batches. Their deliveries and
-// attempts go with them (on delete cascade); a tombstone stays.
+// attempts go with them (a trigger on intents, schema migration 12); a tombstone stays.
 const PRUNE_TOOL: &str = "
     with doomed as (
         select i.id from intents i
