@@ -384,6 +384,98 @@ async fn a_pruned_key_resumed_is_stale_and_parked_keys_are_never_pruned() {
     relay.stop().await;
 }
 
+/// A run resumed at the moment its key is pruned: the pruning transaction has deleted the
+/// intent and written the tombstone but not committed when the repeat is recorded. The batch's
+/// tombstone read cannot see the tombstone yet, and its insert of the key waits for the
+/// deleting transaction; once that commits, the key is free, and without a second look the
+/// repeat was recorded as new and run again. It is refused as pruned, and runs once.
+///
+/// Recorded both ways: speculating (no gate reads the database before the insert), and the long
+/// way, which a tool with `max_reattempts` and an action with a business id take.
+#[tokio::test]
+async fn a_key_resumed_while_it_is_being_pruned_is_refused_and_runs_once() {
+    let plain = LIMITED.replace("max_per_run = 3\nmax_reattempts = 2\n", "");
+    resumed_while_pruned(
+        &plain,
+        json!({"run_id": "r8", "tool": "send_sms", "args": {"to": "x", "text": "bye"}}),
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn a_key_resumed_while_it_is_being_pruned_is_refused_the_long_way_too() {
+    let gated = LIMITED.replace("max_per_run = 3\n", "");
+    resumed_while_pruned(&gated, json!({"run_id": "r8", "tool": "send_sms", "business_id": "b1", "args": {"to": "x", "text": "bye"}})).await;
+}
+
+async fn resumed_while_pruned(tools: &str, data: serde_json::Value) {
+    let env = Env::new().await;
+    let outcomes = env.outcomes().await;
+    let config = env.config(tools, "").await;
+    let relay = env.start(config).await;
+    let p = env.producer();
+    let sms = |id: &str| action(id, data.clone());
+    let key = "r8:send_sms:bye";
+    p.send(&sms("first")).await;
+    outcomes.answer("first", "succeeded").await;
+    let pg = env.pg().await;
+    common::outbox_drained(&pg, "the outcome published").await;
+
+    // Pruning under way: what its statement does, in a transaction held open.
+    let mut pruner = env.pg().await;
+    let pruning = pruner.transaction().await.unwrap();
+    let gone = pruning
+        .execute(
+            "with gone as (delete from intents where idempotency_key = $1
+                           returning idempotency_key, fingerprint, tool, status, finished_at)
+             insert into tombstones (key_hash, fingerprint_hash, tool, status, finished_at,
+                                     expires_at)
+             select encode(sha256(convert_to(idempotency_key, 'UTF8')), 'hex'), fingerprint,
+                    tool, status, finished_at, now() + interval '90 days'
+               from gone",
+            &[&key],
+        )
+        .await
+        .unwrap();
+    assert_eq!(gone, 1);
+    let pruner_pid: i32 = pruning
+        .query_one("select pg_backend_pid()", &[])
+        .await
+        .unwrap()
+        .get(0);
+    p.send(&sms("resumed")).await;
+    common::eventually(
+        "the repeat's record waiting for the pruning transaction",
+        Duration::from_secs(30),
+        || async {
+            pg.query_one(
+                "select count(*) from pg_stat_activity where $1 = any(pg_blocking_pids(pid))",
+                &[&pruner_pid],
+            )
+            .await
+            .unwrap()
+            .get::<_, i64>(0)
+                > 0
+        },
+    )
+    .await;
+    pruning.commit().await.unwrap();
+
+    let resumed = outcomes
+        .answer_all(&["resumed".to_string()], Duration::from_secs(30))
+        .await
+        .into_iter()
+        .find(|o| o["data"]["action_event_id"] == "resumed")
+        .unwrap();
+    assert_eq!(resumed["data"]["status"], "rejected", "{resumed}");
+    assert_eq!(
+        resumed["data"]["error"]["code"], "stale_resume",
+        "{resumed}"
+    );
+    assert_eq!(env.downstream.effects(key), 1);
+    relay.stop().await;
+}
+
 #[tokio::test]
 async fn admin_actions_need_the_token() {
     let env = Env::new().await;

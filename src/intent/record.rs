@@ -94,16 +94,26 @@ fn stored_key(row: &Row) -> StoredKey {
     }
 }
 
+/// The new intents' ids by event id (a key recorded first by another delivery is missing), and
+/// the candidates' keys found tombstoned once the insert had run.
+type Inserted = (HashMap<String, i64>, HashSet<String>);
+
 /// Inserts the candidate intents in one statement, one array per column; the unique key
 /// index decides who is first. `limited`: some of them count against per-run limits, so their
-/// first calls are opened only once counted. Returns the new intents' ids by event id (a key
-/// recorded first by another delivery is missing).
+/// first calls are opened only once counted.
+///
+/// Behind the insert, in the same round trip, the candidates' tombstones are read again. A key
+/// being pruned meanwhile is deleted by a transaction that has written its tombstone but not
+/// committed: a read before the insert cannot see that tombstone, and the insert waits for the
+/// deleting transaction, then finds the key free once it commits. The read after the insert
+/// (a statement of its own, so a snapshot taken after that wait) sees the tombstone; a caller
+/// that finds one must not commit what it inserted.
 async fn insert_intents(
     tx: &impl GenericClient,
     acts: &[&KeyedAction],
     claimant: Claimant<'_>,
     limited: bool,
-) -> Result<HashMap<String, i64>, DbError> {
+) -> Result<Inserted, DbError> {
     let col =
         |f: &dyn Fn(&KeyedAction) -> String| acts.iter().map(|a| f(a)).collect::<Vec<String>>();
     let keys = col(&|a| a.key.clone());
@@ -157,38 +167,42 @@ async fn insert_intents(
     } else {
         INSERT_INTENTS_OPENING_CALLS
     };
-    let rows = tx
-        .query(
-            &tx.prepare_cached(insert).await?,
-            &[
-                &keys,
-                &tools,
-                &classes,
-                &runs,
-                &steps,
-                &business,
-                &args,
-                &material,
-                &fps,
-                &hashes,
-                &events,
-                &topics,
-                &partitions,
-                &offsets,
-                &traces,
-                &times,
-                &statuses,
-                &seqs,
-                &owners,
-                &claimant.lease_secs,
-            ],
-        )
-        .await?;
+    let (insert, tombstoned) =
+        futures::try_join!(tx.prepare_cached(insert), tx.prepare_cached(TOMBSTONED))?;
+    // Both prepared, so each goes out when first polled: the insert, then the read.
+    let insert_params: [&(dyn tokio_postgres::types::ToSql + Sync); 20] = [
+        &keys,
+        &tools,
+        &classes,
+        &runs,
+        &steps,
+        &business,
+        &args,
+        &material,
+        &fps,
+        &hashes,
+        &events,
+        &topics,
+        &partitions,
+        &offsets,
+        &traces,
+        &times,
+        &statuses,
+        &seqs,
+        &owners,
+        &claimant.lease_secs,
+    ];
+    let stale_params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&keys];
+    let (rows, stale_rows) = futures::try_join!(
+        tx.query(&insert, &insert_params),
+        tx.query(&tombstoned, &stale_params)
+    )?;
     // Read-only rows never conflict, so map returned rows back by event id.
-    Ok(rows
+    let ids = rows
         .iter()
         .map(|r| (r.get::<_, String>(2), r.get::<_, i64>(0)))
-        .collect())
+        .collect();
+    Ok((ids, stale_rows.iter().map(|r| r.get("k")).collect()))
 }
 
 /// Records one batch of consumed messages in a single transaction, which it opens and commits
@@ -206,11 +220,28 @@ pub async fn record_batch(
     if let Some(recorded) = record_speculating(tx, items, channel, claimant).await? {
         return Ok(recorded);
     }
+    // Again only when a key of the batch was pruned while it was recorded (`insert_intents`):
+    // the next reading sees that tombstone, so each round has one fewer key to lose this way.
+    loop {
+        if let Some(recorded) = record_reading_first(tx, items, channel, claimant).await? {
+            return Ok(recorded);
+        }
+    }
+}
+
+/// [`record_batch`]'s long way: what the batch's reads find decides what is inserted. `None`
+/// when a key was pruned while the transaction waited to insert it (rolled back).
+async fn record_reading_first(
+    tx: &impl GenericClient,
+    items: &[Incoming],
+    channel: &str,
+    claimant: Claimant<'_>,
+) -> Result<Option<BatchResult>, DbError> {
     let mut rec = Recording::default();
     // 1. Which records and event ids were seen before: redeliveries and producer retries. The
     // reads take no locks and see what is committed, in the transaction or not (read
     // committed), so they need not wait for the `begin`; every write comes after both.
-    let seen = crate::db::begin_with(tx, seen_before(tx, items)).await?;
+    let seen = crate::db::begin_with(tx, seen_before(tx, items, true)).await?;
     let arrivals = classify::arrivals(items, &seen.records, seen.events);
     let (mut to_insert, mut pending, again) = rec.sort(items, arrivals, &seen.direct);
     // 2. Gates that refuse a new key before it is recorded.
@@ -218,7 +249,15 @@ pub async fn record_batch(
     // 3. and 4. New intents, and the per-run limits counted with them.
     if !to_insert.is_empty() {
         let limited = limited(&to_insert);
-        let by_event = insert_intents(tx, &to_insert, claimant, limited).await?;
+        let (by_event, pruned) = insert_intents(tx, &to_insert, claimant, limited).await?;
+        if !pruned.is_empty() {
+            tracing::debug!(
+                pruned = pruned.len(),
+                "keys pruned while recorded: recorded again"
+            );
+            tx.batch_execute("rollback").await?;
+            return Ok(None);
+        }
         record_new(tx, &mut rec, &to_insert, by_event, claimant, &mut pending).await?;
     }
     // 5. Repeats, against the stored key, and the direct answers of records read again.
@@ -226,7 +265,7 @@ pub async fn record_batch(
         answer_repeats(tx, &mut rec, pending, again, &refused).await?;
     }
     // 6. and 7. Every delivery and the immediate answers, and the commit.
-    rec.write_and_commit(tx, channel).await
+    rec.write_and_commit(tx, channel).await.map(Some)
 }
 
 /// [`record_batch`] one round trip shorter, for the usual batch: nothing in it seen before, no
@@ -258,18 +297,20 @@ async fn record_speculating(
         return Ok(None);
     }
     let limited = limited(&to_insert);
-    let (seen, by_event) = crate::db::begin_with(tx, async {
+    // The tombstones are read behind the insert only (`insert_intents`), which sees those it
+    // would have seen before it too.
+    let (seen, (by_event, pruned)) = crate::db::begin_with(tx, async {
         futures::try_join!(
-            seen_before(tx, items),
+            seen_before(tx, items, false),
             insert_intents(tx, &to_insert, claimant, limited)
         )
     })
     .await?;
-    if !(seen.records.is_empty() && seen.events.is_empty() && seen.stale.is_empty()) {
+    if !(seen.records.is_empty() && seen.events.is_empty() && pruned.is_empty()) {
         tracing::debug!(
             redelivered = seen.records.len(),
             retried = seen.events.len(),
-            pruned = seen.stale.len(),
+            pruned = pruned.len(),
             "the batch had been seen in part: recorded again without speculating"
         );
         tx.batch_execute("rollback").await?;
@@ -472,9 +513,13 @@ struct Seen {
     stale: HashSet<String>,
 }
 
-/// The records and event ids seen before, and the tombstone check of every key, in one round
-/// trip.
-async fn seen_before(tx: &impl GenericClient, items: &[Incoming]) -> Result<Seen, DbError> {
+/// The records and event ids seen before, and (`tombstones`) the tombstone check of every key,
+/// in one round trip.
+async fn seen_before(
+    tx: &impl GenericClient,
+    items: &[Incoming],
+    tombstones: bool,
+) -> Result<Seen, DbError> {
     let event_ids: Vec<String> = items
         .iter()
         .filter_map(|i| match i {
@@ -494,10 +539,15 @@ async fn seen_before(tx: &impl GenericClient, items: &[Incoming]) -> Result<Seen
         tx.prepare_cached(TOMBSTONED)
     )?;
     let (seen_params, stale_params) = ([&event_ids as _], [&action_keys as _]);
-    let (seen_rows, stale_rows) = futures::try_join!(
-        tx.query(&seen_statement, &seen_params),
-        tx.query(&tombstoned, &stale_params)
-    )?;
+    let stale = async {
+        if tombstones {
+            tx.query(&tombstoned, &stale_params).await
+        } else {
+            Ok(Vec::new())
+        }
+    };
+    let (seen_rows, stale_rows) =
+        futures::try_join!(tx.query(&seen_statement, &seen_params), stale)?;
     let mut seen = Seen {
         records: HashSet::new(),
         direct: HashSet::new(),
