@@ -405,7 +405,12 @@ async fn a_key_resumed_while_it_is_being_pruned_is_refused_and_runs_once() {
 #[tokio::test]
 async fn a_key_resumed_while_it_is_being_pruned_is_refused_the_long_way_too() {
     let gated = LIMITED.replace("max_per_run = 3\n", "");
-    resumed_while_pruned(&gated, json!({"run_id": "r8", "tool": "send_sms", "business_id": "b1", "args": {"to": "x", "text": "bye"}})).await;
+    resumed_while_pruned(
+        &gated,
+        json!({"run_id": "r8", "tool": "send_sms", "business_id": "b1",
+               "args": {"to": "x", "text": "bye"}}),
+    )
+    .await;
 }
 
 async fn resumed_while_pruned(tools: &str, data: serde_json::Value) {
