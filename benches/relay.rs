@@ -353,9 +353,9 @@ async fn count_old_keys(pg: &tokio_postgres::Client, schema: &str) -> i64 {
     .get(0)
 }
 
-/// Writes `n` finished keys (with their delivery, attempt and published outcome, sized like
-/// the workload's) into `schema`, as months of traffic would have left them, then prints each
-/// table's size with its indexes, per million keys.
+/// Writes `n` finished keys (each with its attempt and published outcome, a tenth with a
+/// replay's delivery as well, sized like the workload's) into `schema`, as months of traffic
+/// would have left them, then prints each table's size with its indexes, per million keys.
 async fn prefill(pg: &tokio_postgres::Client, schema: &str, n: usize, payload: usize) {
     let started = Instant::now();
     let n = n as i64;
@@ -375,8 +375,9 @@ async fn prefill(pg: &tokio_postgres::Client, schema: &str, n: usize, payload: u
                 lateral (select now() - interval '30 days' + g * interval '200 ms' as t) tt;
          insert into deliveries (intent_id, idempotency_key, action_event_id, source_topic,
                                  source_partition, source_offset, origin, received_at, answered)
-         select id, idempotency_key, action_event_id, source_topic, source_partition, source_offset,
-                'first', created_at, true from intents where idempotency_key like 'old-%';
+         select id, idempotency_key, 'old-replay-' || id, source_topic, source_partition,
+                source_offset + 1, 'replay', created_at, true
+           from intents where idempotency_key like 'old-%' and id % 10 = 0;
          insert into attempts (intent_id, idempotency_key, seq, kind, reason, owner, lease_epoch,
                                started_at, ended_at, classification, http_status, latency_ms)
          select id, idempotency_key, 1, 'call', 'first', 'old-relay', 1, created_at,

@@ -115,6 +115,44 @@ async fn the_same_event_twice_and_a_replay_execute_once() {
         "a producer retry is not answered again"
     );
     assert_eq!(env.downstream.total_effects(), 1);
+    // The first delivery is the intent row's (schema migration 13): `explain` lists it first,
+    // with its record, and no deliveries row repeats it.
+    let e = common::explain(&env, "run_2:send_email:order_2").await;
+    let deliveries: Vec<(&str, &str)> = e["deliveries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| {
+            (
+                d["action_event_id"].as_str().unwrap(),
+                d["origin"].as_str().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        deliveries,
+        [
+            ("evt-a", "first"),
+            ("evt-a", "producer_retry"),
+            ("evt-b", "replay")
+        ],
+        "{e:#}"
+    );
+    assert!(e["deliveries"][0]["offset"].is_i64(), "{e:#}");
+    let first_rows: i64 = env
+        .pg()
+        .await
+        .query_one(
+            "select count(*) from deliveries where origin = 'first' and intent_id is not null",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(
+        first_rows, 0,
+        "a recorded key's first delivery is not a row"
+    );
     relay.stop().await;
 }
 

@@ -74,6 +74,11 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "0012_no_foreign_key_checks",
         include_str!("../../schemas/postgres/0012_no_foreign_key_checks.sql"),
     ),
+    (
+        13,
+        "0013_first_delivery_on_the_intent",
+        include_str!("../../schemas/postgres/0013_first_delivery_on_the_intent.sql"),
+    ),
 ];
 
 /// Lets `?` turn a driver error into a stage's error whose `Db` variant wraps [`DbError`]: the

@@ -5,8 +5,10 @@
 //! Two questions, asked at two points of [`record_batch`](super::record_batch):
 //! - [`arrivals`], before any key is read: was this record, or this event id, seen before, and is
 //!   this the first message of its key in the batch?
-//! - [`repeat`], after the stored key is read under a share lock: is a repeat the producer's
-//!   retry, a replay, a model's reworded retry, or a conflict?
+//! - [`repeat`], after the stored key is read under a share lock: is a repeat the record the key
+//!   was first recorded from, the producer's retry, a replay, a model's reworded retry, or a
+//!   conflict? (A key's first delivery is carried by its intent row, so the first question does
+//!   not find it among the deliveries.)
 
 use std::collections::HashSet;
 
@@ -138,11 +140,16 @@ pub(crate) struct StoredKey {
     pub state: KeyState,
     /// Its status is one outcome events report (not a row still being recorded).
     pub reportable: bool,
+    /// The record its first delivery came in, whose event id is `state.first_event_id`.
+    pub first_record: RecordId,
 }
 
 /// What a repeat is, once its stored key is read.
 #[derive(Debug)]
 pub(crate) enum Repeat<'k> {
+    /// The very record the key was first recorded from: logged for `explain`, never executed or
+    /// answered again (its answer is the key's own outcome).
+    Redelivery,
     /// The producer's retry of an event already answered: logged, not answered again. `intent`
     /// is the stored key's id (none for a read-only action, which has no one key).
     ProducerRetry { intent: Option<i64> },
@@ -191,6 +198,18 @@ pub(crate) fn repeat<'k>(
             None => Repeat::Vanished,
         };
     };
+    // The key's first event again: the same request, whatever it holds now.
+    if stored.state.first_event_id == action.event.id {
+        let (topic, partition, offset) = &stored.first_record;
+        let pos = &action.pos;
+        return if *topic == pos.topic && *partition == pos.partition && *offset == pos.offset {
+            Repeat::Redelivery
+        } else {
+            Repeat::ProducerRetry {
+                intent: Some(stored.id),
+            }
+        };
+    }
     // A key is the tool's own: the same key sent to another tool is not a repeat of it (the
     // answer would be another tool's result).
     if stored.state.tool != action.tool {
@@ -314,6 +333,7 @@ mod tests {
                 at: Utc::now(),
             },
             reportable,
+            first_record: (a.pos.topic.clone(), a.pos.partition, a.pos.offset),
         }
     }
 
@@ -420,6 +440,7 @@ mod tests {
     /// details.
     fn said(r: Repeat<'_>) -> String {
         match r {
+            Repeat::Redelivery => "redelivery".into(),
             Repeat::ProducerRetry { intent } => format!("producer retry of {intent:?}"),
             Repeat::Refused { code, message } => format!("refused {}: {message}", code.as_str()),
             Repeat::Vanished => "vanished".into(),
@@ -492,6 +513,29 @@ mod tests {
         assert_eq!(
             said(repeat(pr, &retry, None, None)),
             "producer retry of None"
+        );
+    }
+
+    #[test]
+    fn the_keys_first_event_again_is_a_redelivery_in_its_record_and_else_a_producer_retry() {
+        let first = action(0, "e1", "k1", "a@x", "hi");
+        let stored = stored_from(&first, 41, false);
+        let replay = Origin::Replay;
+        assert_eq!(
+            said(repeat(replay, &first, Some(&stored), None)),
+            "redelivery"
+        );
+        // The same event id in another record, even with other material.
+        let resent = action(5, "e1", "k1", "b@x", "hi");
+        assert_eq!(
+            said(repeat(replay, &resent, Some(&stored), None)),
+            "producer retry of Some(41)"
+        );
+        let mut elsewhere = action(0, "e1", "k1", "a@x", "hi");
+        elsewhere.pos.partition = 3;
+        assert_eq!(
+            said(repeat(replay, &elsewhere, Some(&stored), None)),
+            "producer retry of Some(41)"
         );
     }
 

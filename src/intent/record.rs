@@ -7,6 +7,7 @@ use deadpool_postgres::GenericClient;
 use serde_json::Value;
 use tokio_postgres::Row;
 
+use crate::config::ToolClass;
 use crate::db::DbError;
 use crate::gates::{self, count_runs, Counted};
 use crate::intent::classify::{self, Arrival, RecordId, Repeat, StoredKey};
@@ -91,6 +92,11 @@ fn stored_key(row: &Row) -> StoredKey {
             first_event_id: row.get("action_event_id"),
             at: row.get("at"),
         },
+        first_record: (
+            row.get("source_topic"),
+            row.get("source_partition"),
+            row.get("source_offset"),
+        ),
     }
 }
 
@@ -139,6 +145,7 @@ async fn insert_intents(
     let topics = col(&|a| a.pos.topic.clone());
     let partitions: Vec<i32> = acts.iter().map(|a| a.pos.partition).collect();
     let offsets: Vec<i64> = acts.iter().map(|a| a.pos.offset).collect();
+    let schema_ids: Vec<Option<i32>> = acts.iter().map(|a| a.pos.schema_id).collect();
     let traces: Vec<Option<String>> = acts.iter().map(|a| a.event.traceparent.clone()).collect();
     let times: Vec<Option<DateTime<Utc>>> = acts.iter().map(|a| a.event_time()).collect();
     let statuses: Vec<&str> = acts
@@ -170,7 +177,7 @@ async fn insert_intents(
     let (insert, tombstoned) =
         futures::try_join!(tx.prepare_cached(insert), tx.prepare_cached(TOMBSTONED))?;
     // Both prepared, so each goes out when first polled: the insert, then the read.
-    let insert_params: [&(dyn tokio_postgres::types::ToSql + Sync); 20] = [
+    let insert_params: [&(dyn tokio_postgres::types::ToSql + Sync); 21] = [
         &keys,
         &tools,
         &classes,
@@ -191,6 +198,7 @@ async fn insert_intents(
         &seqs,
         &owners,
         &claimant.lease_secs,
+        &schema_ids,
     ];
     let stale_params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&keys];
     let (rows, stale_rows) = futures::try_join!(
@@ -338,7 +346,8 @@ fn limited(to_insert: &[&KeyedAction]) -> bool {
 /// What one batch's transaction writes besides its intents, gathered as it is classified.
 #[derive(Default)]
 struct Recording {
-    /// Every message of the batch, so repeats can be classified and explained later.
+    /// Every message of the batch but a new intent's first (which the intent row carries), so
+    /// repeats can be classified and explained later.
     deliveries: DeliveryRows,
     /// Answers sent at once through the outbox: refusals, conflicts, parked and rejected input,
     /// and duplicates of keys with an outcome still unpublished.
@@ -361,6 +370,17 @@ impl Recording {
         self.deliveries
             .push(intent, &a.key, &a.event.id, &a.pos, origin, answered);
         self.result.origins.push((a.tool.clone(), origin));
+    }
+
+    /// The first delivery of the new intent `id`: carried by the intent row (its event id and
+    /// record), so only counted, but for a read-only tool, whose key is not unique: only a row
+    /// of its own tells a redelivery of it from a new call (schema migration 13).
+    fn first_delivered(&mut self, id: i64, a: &KeyedAction) {
+        if a.class == ToolClass::ReadOnly {
+            self.delivered(Some(id), a, Origin::First, true);
+        } else {
+            self.result.origins.push((a.tool.clone(), Origin::First));
+        }
     }
 
     /// A gate refused `a` before it was recorded: answered rejected, its key left unrecorded.
@@ -648,7 +668,7 @@ async fn record_new<'a>(
     for &a in to_insert {
         match by_event.get(&a.event.id) {
             Some(id) => {
-                rec.delivered(Some(*id), a, Origin::First, true);
+                rec.first_delivered(*id, a);
                 recorded.push((a, *id));
             }
             None => pending.push((a, Origin::Replay)),
@@ -756,6 +776,8 @@ async fn answer_repeats(
             Repeat::ProducerRetry { intent } => {
                 rec.delivered(intent, a, Origin::ProducerRetry, true)
             }
+            // The record the key was first recorded from: logged, like any redelivery.
+            Repeat::Redelivery => rec.delivered(None, a, Origin::Redelivery, true),
             Repeat::Refused { code, message } => rec.refuse(a, code, message.to_string()),
             // Recorded again from the start rather than leave it unanswered.
             Repeat::Vanished => return Err(DbError::Vanished(a.key.clone())),

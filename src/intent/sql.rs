@@ -6,21 +6,22 @@ pub(crate) const SELECT_SEEN_EVENTS: &str = "
     from deliveries where action_event_id = any($1)";
 
 // A row with a lease owner is recorded claimed (`running`, epoch 1); its attempt row follows
-// in the same transaction.
+// in the same transaction. The row carries its first delivery (event id, record, schema id):
+// no `deliveries` row is written for it (schema migration 13).
 macro_rules! insert_intents {
     () => {
         "insert into intents (idempotency_key, tool, class, run_id, step, business_id, args,
                               material, fingerprint, args_hash, action_event_id, source_topic,
-                              source_partition, source_offset, traceparent, event_time, status,
-                              status_seq, lease_owner, lease_expires_at, lease_epoch)
-         select k, t, c, r, s, b, a, m, f, h, e, tp, p, o, tr, tm, st, sq, lo,
+                              source_partition, source_offset, schema_id, traceparent, event_time,
+                              status, status_seq, lease_owner, lease_expires_at, lease_epoch)
+         select k, t, c, r, s, b, a, m, f, h, e, tp, p, o, sc, tr, tm, st, sq, lo,
                 case when lo is null then null else now() + make_interval(secs => $20) end,
                 case when lo is null then 0 else 1 end
            from unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::int8[], $6::text[],
                        $7::jsonb[], $8::jsonb[], $9::text[], $10::text[], $11::text[],
                        $12::text[], $13::int4[], $14::int8[], $15::text[], $16::timestamptz[],
-                       $17::text[], $18::int4[], $19::text[])
-                as u(k, t, c, r, s, b, a, m, f, h, e, tp, p, o, tr, tm, st, sq, lo)
+                       $17::text[], $18::int4[], $19::text[], $21::int4[])
+                as u(k, t, c, r, s, b, a, m, f, h, e, tp, p, o, tr, tm, st, sq, lo, sc)
          on conflict (idempotency_key) where class <> 'read_only' do nothing
          returning id, idempotency_key, action_event_id, lease_owner"
     };
@@ -49,8 +50,9 @@ pub(crate) const OPEN_FIRST_CALLS: &str = "
 // commits first and we see its status, or it waits and then sees our waiting deliveries. Every
 // statement that locks several intents locks them in id order, so they cannot deadlock.
 pub(crate) const SELECT_KEYS_FOR_SHARE: &str = "
-    select id, idempotency_key, material, fingerprint, args_hash, action_event_id, status, result,
-           error, attempts, run_id, step, tool, coalesce(finished_at, updated_at) as at,
+    select id, idempotency_key, material, fingerprint, args_hash, action_event_id, source_topic,
+           source_partition, source_offset, status, result, error, attempts, run_id, step, tool,
+           coalesce(finished_at, updated_at) as at,
            exists (select 1 from outbox o
                     where o.kafka_key = intents.idempotency_key
                       and o.published_at is null and o.quarantined_at is null

@@ -36,15 +36,30 @@ const EXPLAIN: &str = "
                        'fingerprint', fingerprint, 'at', at::text) order by id)
               from approvals where intent_id = i.id), '[]'),
         'deliveries', coalesce((
-            select json_agg(json_build_object(
+            -- In the order they came: a batch's rows are written in the order it classified
+            -- them, so by offset within one.
+            select json_agg(d.delivery order by d.carried desc, d.at, d.p, d.o, d.id) from (
+                -- The first delivery is carried by the intent (schema migration 13), unless a
+                -- relay of an earlier version wrote it as a row. Its answer is the key's own
+                -- outcome.
+                select true as carried, i.created_at as at, i.source_partition as p,
+                       i.source_offset as o, 0::int8 as id, json_build_object(
+                       'action_event_id', i.action_event_id, 'partition', i.source_partition,
+                       'offset', i.source_offset, 'origin', 'first', 'answered', true,
+                       'schema_id', i.schema_id,
+                       'received_at', i.created_at::text) as delivery
+                 where not exists (select 1 from deliveries f
+                                    where f.intent_id = i.id and f.origin = 'first')
+                union all
+                select false, received_at, source_partition, source_offset, id, json_build_object(
                        'action_event_id', action_event_id, 'partition', source_partition,
                        'offset', source_offset, 'origin', origin, 'answered', answered,
                        'schema_id', schema_id,
-                       'received_at', received_at::text) order by id)
-              from deliveries
-             where intent_id = i.id
-                -- A dead-lettered delivery has no intent, only the key it named.
-                or (intent_id is null and idempotency_key = i.idempotency_key)), '[]'),
+                       'received_at', received_at::text)
+                  from deliveries
+                 where intent_id = i.id
+                    -- A dead-lettered delivery has no intent, only the key it named.
+                    or (intent_id is null and idempotency_key = i.idempotency_key)) d), '[]'),
         'calls', coalesce((
             select json_agg(json_build_object(
                        'seq', seq, 'kind', kind, 'reason', reason, 'owner', owner,

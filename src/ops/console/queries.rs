@@ -127,8 +127,16 @@ pub async fn overview(pool: &Pool) -> Result<Overview, DbError> {
         .collect();
     let by_origin = client
         .query(
-            "select origin, count(*) from deliveries
-              where received_at > now() - interval '1 hour' group by 1 order by 2 desc",
+            // A recorded key's first delivery is its intent row (schema migration 13); rows of
+            // origin `first` with an intent, written by earlier relays or for read-only tools,
+            // are counted there.
+            "select origin, count(*) from (
+                select origin from deliveries
+                 where received_at > now() - interval '1 hour'
+                   and not (origin = 'first' and intent_id is not null)
+                union all
+                select 'first' from intents where created_at > now() - interval '1 hour') d
+              group by 1 order by 2 desc",
             &[],
         )
         .await?

@@ -1,0 +1,19 @@
+-- A new intent carries its first delivery: the record it came in (`action_event_id`,
+-- `source_topic`, `source_partition`, `source_offset`), when (`created_at`), and from this
+-- migration on the schema registry's id of its payload (`schema_id`, null without a registry).
+-- Relays of this version write no `deliveries` row for it; that row repeated what the intent
+-- holds, and with its three index entries it was about a tenth of Postgres' CPU per new action.
+-- Deliveries are still written for every repeat, every refused or dead-lettered message, and
+-- for the first delivery of a read-only tool (its key is not unique, so only that row tells a
+-- redelivery of it from a new call).
+--
+-- Readers take the first delivery from the intent when no `deliveries` row of origin `first`
+-- names it (rows written by earlier relays still do). A redelivery or a producer retry of a
+-- first record, no longer found among the deliveries, meets its key already recorded: the relay
+-- compares the event id and the record with the intent's and logs it as what it is, without
+-- answering it again.
+--
+-- Relays of migrations 10 to 12 may run beside this one (the floor is unchanged). Meeting a
+-- redelivered first record of a key this version recorded, such a relay takes it for a repeat of
+-- the key: nothing is executed again, but it may answer it once more, as a duplicate.
+alter table intents add column schema_id integer;
