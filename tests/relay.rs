@@ -156,6 +156,35 @@ async fn the_same_event_twice_and_a_replay_execute_once() {
     relay.stop().await;
 }
 
+/// An event id reused for an action of another key, its earlier use a key's first delivery:
+/// recorded as the key it names (the README's contract on producer retries).
+#[tokio::test]
+async fn an_event_id_reused_for_another_key_after_a_first_delivery_is_that_keys() {
+    let env = Env::new().await;
+    let outcomes = env.outcomes().await;
+    let relay = env.start(env.config(EMAIL, "").await).await;
+    let p = env.producer();
+    p.send(&action("evt-r", email("run_r", "order_1", "Your refund")))
+        .await;
+    outcomes.answer("evt-r", "succeeded").await;
+    p.send(&action("evt-r", email("run_r", "order_2", "Your refund")))
+        .await;
+    common::eventually(
+        "both keys answered under the one event id",
+        Duration::from_secs(20),
+        || async { outcomes.answers("evt-r").len() == 2 },
+    )
+    .await;
+    let keys: std::collections::HashSet<String> = outcomes
+        .answers("evt-r")
+        .iter()
+        .map(|o| o["data"]["idempotency_key"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(keys.len(), 2, "{keys:?}");
+    assert_eq!(env.downstream.total_effects(), 2);
+    relay.stop().await;
+}
+
 /// A repeat of a key whose outcome is published is answered straight to Kafka: no outbox row is
 /// written or rewritten for it, its delivery says so, and `explain` lists the answer under the
 /// id the consumer received.
