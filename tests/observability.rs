@@ -135,17 +135,7 @@ async fn explain_shows_a_timeout_a_verify_and_a_duplicate() {
 
     common::outbox_drained(&env.pg().await, "the outcomes published").await;
     let e = common::explain(&env, key).await;
-    let deliveries: Vec<(&str, &str)> = e["deliveries"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|d| {
-            (
-                d["action_event_id"].as_str().unwrap(),
-                d["origin"].as_str().unwrap(),
-            )
-        })
-        .collect();
+    let deliveries = common::delivered(&e);
     assert_eq!(
         deliveries,
         [

@@ -118,17 +118,7 @@ async fn the_same_event_twice_and_a_replay_execute_once() {
     // The first delivery is the intent row's (schema migration 13): `explain` lists it first,
     // with its record, and no deliveries row repeats it.
     let e = common::explain(&env, "run_2:send_email:order_2").await;
-    let deliveries: Vec<(&str, &str)> = e["deliveries"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|d| {
-            (
-                d["action_event_id"].as_str().unwrap(),
-                d["origin"].as_str().unwrap(),
-            )
-        })
-        .collect();
+    let deliveries = common::delivered(&e);
     assert_eq!(
         deliveries,
         [

@@ -518,6 +518,21 @@ pub async fn explain(env: &Env, key: &str) -> Value {
     idem::ops::explain(&pool, key).await.expect("explain")
 }
 
+/// The (action event id, origin) of each delivery an explanation lists, in its order.
+pub fn delivered(e: &Value) -> Vec<(&str, &str)> {
+    e["deliveries"]
+        .as_array()
+        .expect("a list of deliveries")
+        .iter()
+        .map(|d| {
+            (
+                d["action_event_id"].as_str().unwrap(),
+                d["origin"].as_str().unwrap(),
+            )
+        })
+        .collect()
+}
+
 /// What a [`FaultProxy`] does to its connections.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ProxyMode {
