@@ -36,9 +36,9 @@ const EXPLAIN: &str = "
                        'fingerprint', fingerprint, 'at', at::text) order by id)
               from approvals where intent_id = i.id), '[]'),
         'deliveries', coalesce((
-            -- In the order they came: a batch's rows are written in the order it classified
-            -- them, so by offset within one.
-            select json_agg(d.delivery order by d.carried desc, d.at, d.p, d.o, d.id) from (
+            -- In the order they came: by the time of the transaction that recorded them, and
+            -- within one by record.
+            select json_agg(d.delivery order by d.at, d.carried desc, d.p, d.o, d.id) from (
                 -- The first delivery is carried by the intent (schema migration 13), unless a
                 -- relay of an earlier version wrote it as a row. Its answer is the key's own
                 -- outcome.
