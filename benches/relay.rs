@@ -221,6 +221,7 @@ fn workload(n: usize, dup: f64, payload: usize, tag: &str) -> (Vec<(String, Valu
     (events, distinct)
 }
 
+/// Makes a run's topics, one replica each (the local broker is a single node).
 async fn create_topics(names: &[&str], partitions: i32) {
     let admin: AdminClient<DefaultClientContext> = bench_client().create().unwrap();
     let topics: Vec<NewTopic<'_>> = names
@@ -233,6 +234,7 @@ async fn create_topics(names: &[&str], partitions: i32) {
         .unwrap();
 }
 
+/// Deletes a run's topics once it is over; a topic that cannot be deleted is named, not fatal.
 async fn delete_topics(names: &[&str]) {
     let admin: AdminClient<DefaultClientContext> = bench_client().create().unwrap();
     match admin.delete_topics(names, &AdminOptions::new()).await {
