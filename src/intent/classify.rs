@@ -72,6 +72,13 @@ impl Origin {
 /// A Kafka record's address: (topic, partition, offset).
 pub(crate) type RecordId = (String, i32, i64);
 
+impl super::Position {
+    /// The address of the record this position is.
+    pub(crate) fn record_id(&self) -> RecordId {
+        (self.topic.clone(), self.partition, self.offset)
+    }
+}
+
 /// What a message is before any key state is read.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Arrival {
@@ -105,7 +112,7 @@ pub(crate) fn arrivals(
             Incoming::Action(a) => &a.pos,
             Incoming::Rejected { pos, .. } => pos,
         };
-        if seen_records.contains(&(pos.topic.clone(), pos.partition, pos.offset)) {
+        if seen_records.contains(&pos.record_id()) {
             out.push(Arrival::Redelivery);
             continue;
         }
@@ -200,9 +207,7 @@ pub(crate) fn repeat<'k>(
     };
     // The key's first event again: the same request, whatever it holds now.
     if stored.state.first_event_id == action.event.id {
-        let (topic, partition, offset) = &stored.first_record;
-        let pos = &action.pos;
-        return if *topic == pos.topic && *partition == pos.partition && *offset == pos.offset {
+        return if stored.first_record == action.pos.record_id() {
             Repeat::Redelivery
         } else {
             Repeat::ProducerRetry {
@@ -333,7 +338,7 @@ mod tests {
                 at: Utc::now(),
             },
             reportable,
-            first_record: (a.pos.topic.clone(), a.pos.partition, a.pos.offset),
+            first_record: a.pos.record_id(),
         }
     }
 

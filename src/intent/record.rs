@@ -422,7 +422,7 @@ impl Recording {
                     // answer went straight to Kafka, which may not have acknowledged it.
                     Arrival::Redelivery => {
                         self.delivered(None, a, Origin::Redelivery, true);
-                        if direct.contains(&(a.pos.topic.clone(), a.pos.partition, a.pos.offset)) {
+                        if direct.contains(&a.pos.record_id()) {
                             again.push(&**a);
                         }
                     }
