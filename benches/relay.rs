@@ -299,6 +299,115 @@ fn proc_stats(pid: u32) -> (f64, f64) {
     (cpu, hwm_kib / 1024.0)
 }
 
+/// `/proc/<pid>/stat`'s fields after the command name (the state is the first).
+fn stat_fields(pid: &str) -> Option<(String, Vec<u64>)> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let (head, tail) = stat.rsplit_once(')')?;
+    let comm = head.split_once('(')?.1.to_string();
+    // The state is not a number: it parses as 0, which keeps the indexes of `man 5 proc`
+    // less three (utime is field 14, so index 11).
+    let fields = tail
+        .split_whitespace()
+        .map(|v| v.parse().unwrap_or(0))
+        .collect();
+    Some((comm, fields))
+}
+
+/// CPU seconds used so far by the other processes on this host that a run makes work:
+/// Postgres (every `postgres` process, and the children its postmaster has reaped, the
+/// backends that exited), the Kafka broker (a process running `kafka.Kafka`) and this
+/// process (the load generator, the fake downstream and the outcome consumer). A service not
+/// running on this host reads as zero.
+#[derive(Clone, Copy, Default)]
+struct HostCpu {
+    postgres: f64,
+    broker: f64,
+    bench: f64,
+}
+
+impl HostCpu {
+    fn read() -> Self {
+        const UTIME: usize = 11;
+        let own = |f: &[u64]| (f[UTIME] + f[UTIME + 1]) as f64 / 100.0;
+        let reaped = |f: &[u64]| (f[UTIME + 2] + f[UTIME + 3]) as f64 / 100.0;
+        let mut cpu = HostCpu::default();
+        let pids: Vec<String> = std::fs::read_dir("/proc")
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| e.file_name().to_str().map(str::to_string))
+            .filter(|p| p.bytes().all(|b| b.is_ascii_digit()))
+            .collect();
+        let stats: Vec<(String, String, Vec<u64>)> = pids
+            .into_iter()
+            .filter_map(|p| stat_fields(&p).map(|(comm, f)| (p, comm, f)))
+            .filter(|(_, _, f)| f.len() > UTIME + 3)
+            .collect();
+        let postgres: Vec<&str> = stats
+            .iter()
+            .filter(|(_, comm, _)| comm == "postgres")
+            .map(|(p, _, _)| p.as_str())
+            .collect();
+        let me = std::process::id().to_string();
+        for (pid, comm, f) in &stats {
+            if comm == "postgres" {
+                cpu.postgres += own(f);
+                // The postmaster: a postgres process whose parent is not one.
+                if !postgres.contains(&f[1].to_string().as_str()) {
+                    cpu.postgres += reaped(f);
+                }
+            } else if *pid == me {
+                cpu.bench += own(f);
+            } else if comm == "java" {
+                let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+                if cmdline.windows(11).any(|w| w == b"kafka.Kafka") {
+                    cpu.broker += own(f);
+                }
+            }
+        }
+        cpu
+    }
+
+    /// The CPU used from `before` to now, per action in microseconds, with the relay's.
+    fn per_action_line(&self, before: &HostCpu, relay_seconds: f64, actions: usize) -> String {
+        let us = |s: f64| s / actions as f64 * 1e6;
+        let parts = [
+            ("Postgres", self.postgres - before.postgres),
+            ("relay", relay_seconds),
+            ("broker", self.broker - before.broker),
+            ("load generator and downstream", self.bench - before.bench),
+        ];
+        let total: f64 = parts.iter().map(|(_, s)| s).sum();
+        let named: Vec<String> = parts
+            .iter()
+            .map(|(name, s)| format!("{name} {:.0}", us(*s)))
+            .collect();
+        format!(
+            "CPU µs per action: {}; together {:.0}",
+            named.join(", "),
+            us(total)
+        )
+    }
+}
+
+/// `[relay]` settings from `IDEM_BENCH_RELAY` (`name=value,name=value`) written into idem's
+/// config, to measure a setting (`batch_linger=2ms`); a value that is not a number is quoted.
+fn relay_extra() -> String {
+    std::env::var("IDEM_BENCH_RELAY")
+        .unwrap_or_default()
+        .split(',')
+        .filter_map(|kv| kv.split_once('='))
+        .map(|(k, v)| {
+            let v = v.trim();
+            if v.parse::<f64>().is_ok() {
+                format!("{} = {v}\n", k.trim())
+            } else {
+                format!("{} = \"{v}\"\n", k.trim())
+            }
+        })
+        .collect()
+}
+
 /// librdkafka properties from `IDEM_BENCH_KAFKA` (`name=value,name=value`), set on the
 /// benchmark's own clients and in idem's `kafka.client`, to measure a client setting.
 fn kafka_extra() -> Vec<(String, String)> {
@@ -557,6 +666,7 @@ pool_size = 16
 concurrency = {concurrency}
 prune_interval = "{prune}"
 prune_share = {prune_share}
+{relay_extra}
 [admin]
 listen = "127.0.0.1:0"
 [[tools]]
@@ -578,6 +688,7 @@ verify = {{ url = "http://{addr}/v1/effects/{{key}}" }}
                     .map(|(k, v)| format!("\"{k}\" = \"{v}\"\n"))
                     .collect::<String>(),
                 schema = pg_schema,
+                relay_extra = relay_extra(),
             );
             let path = dir.path().join("idem.toml");
             std::fs::write(&path, config).unwrap();
@@ -686,6 +797,7 @@ verify = {{ url = "http://{addr}/v1/effects/{{key}}" }}
     tokio::time::sleep(Duration::from_secs(3)).await;
     let commits_before = pg_commits(&pg).await;
     let (cpu_before, _) = tree_stats(&pids);
+    let host_before = HostCpu::read();
     let started = Instant::now();
     let mut published: HashMap<String, (Instant, i64)> = HashMap::with_capacity(n);
     // Flat out, or in 10 ms ticks of rate/100 actions.
@@ -760,6 +872,7 @@ verify = {{ url = "http://{addr}/v1/effects/{{key}}" }}
         .unwrap();
     let seconds = finished.duration_since(started).as_secs_f64();
     let (cpu_after, hwm) = tree_stats(&pids);
+    let host_cpu = HostCpu::read();
     let commits = pg_commits(&pg).await - commits_before;
     // End to end (send → outcome seen), and its first part: send → outcome produced by the
     // relay (the outcome's Kafka timestamp, millisecond resolution).
@@ -786,6 +899,10 @@ verify = {{ url = "http://{addr}/v1/effects/{{key}}" }}
         at(&to_produced, 0.99),
         pct(0.5),
         pct(0.99)
+    );
+    eprintln!(
+        "{mode}: {}",
+        host_cpu.per_action_line(&host_before, cpu_after - cpu_before, n)
     );
     // Paced only: flat out, each stage is mostly the backlog's queue.
     if mode == "idem" && opts.rate > 0 {
