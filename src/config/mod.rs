@@ -187,6 +187,26 @@ executor = { kind = "http", url = "http://127.0.0.1:8787/v1/send_email" }
     }
 
     #[test]
+    fn batch_linger_is_auto_by_default_or_a_fixed_duration() {
+        let linger = |text: &str| Config::from_toml(text, no_env).unwrap().relay.batch_linger;
+        assert_eq!(linger(""), BatchLinger::AUTO);
+        assert_eq!(
+            linger("[relay]\nbatch_linger = \"auto\"\n"),
+            BatchLinger::AUTO
+        );
+        assert_eq!(
+            linger("[relay]\nbatch_linger = \"0ms\"\n"),
+            BatchLinger::Fixed(Duration::ZERO)
+        );
+        assert_eq!(
+            linger("[relay]\nbatch_linger = \"5ms\"\n"),
+            BatchLinger::Fixed(Duration::from_millis(5))
+        );
+        let e = err("[relay]\nbatch_linger = \"soon\"\n");
+        assert!(e.contains("neither `auto` nor a duration"), "{e}");
+    }
+
+    #[test]
     fn unknown_field_is_named() {
         let e = err("[relay]\nconcurency = 3\n");
         assert!(e.contains("concurency"), "{e}");

@@ -97,7 +97,7 @@ impl Default for RawRelay {
             instance_id: None,
             concurrency: 256,
             batch_size: 500,
-            batch_linger: "0ms".into(),
+            batch_linger: "auto".into(),
             max_message_bytes: 1024 * 1024,
             shutdown_grace: "30s".into(),
             lease: "30s".into(),

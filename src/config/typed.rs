@@ -49,6 +49,22 @@ pub struct PostgresConfig {
     pub pool_size: usize,
 }
 
+/// How long the consumer waits for more messages once a batch has its first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BatchLinger {
+    /// Always this long (zero: what has been fetched is the batch).
+    Fixed(Duration),
+    /// Up to this long, and only while actions arrive at least one per this time: a stream's
+    /// batches fill (fewer, larger transactions), a trickle's lone action is not held.
+    WhileBusy(Duration),
+}
+
+impl BatchLinger {
+    /// What `auto` waits, at most: at 1,000 actions/s on the benchmark machine 2 ms took the
+    /// CPU per action down by a sixth and p50 with it, 5 ms raised p50 (README, Performance).
+    pub const AUTO: BatchLinger = BatchLinger::WhileBusy(Duration::from_millis(2));
+}
+
 #[derive(Debug, Clone)]
 pub struct RelayConfig {
     /// Names this relay in leases and logs.
@@ -58,7 +74,7 @@ pub struct RelayConfig {
     /// Action messages recorded per intent transaction, at most.
     pub batch_size: usize,
     /// How long the consumer waits to fill a batch once it has one message.
-    pub batch_linger: Duration,
+    pub batch_linger: BatchLinger,
     /// Larger action messages are dead-lettered as `oversize`.
     pub max_message_bytes: usize,
     /// How long SIGTERM waits for in-flight calls before leaving them to recovery.

@@ -33,6 +33,18 @@ fn duration(field: &str, s: &str) -> Result<Duration, ConfigError> {
     })
 }
 
+fn batch_linger(s: &str) -> Result<BatchLinger, ConfigError> {
+    if s == "auto" {
+        return Ok(BatchLinger::AUTO);
+    }
+    parse_duration(s).map(BatchLinger::Fixed).ok_or_else(|| {
+        invalid(
+            "relay.batch_linger",
+            format!("`{s}` is neither `auto` nor a duration (use e.g. 0ms, 2ms)"),
+        )
+    })
+}
+
 fn positive(field: &str, n: usize) -> Result<usize, ConfigError> {
     if n == 0 {
         Err(invalid(field, "must be at least 1"))
@@ -170,7 +182,7 @@ impl Config {
             instance_id: r.instance_id.unwrap_or_else(default_instance_id),
             concurrency: positive("relay.concurrency", r.concurrency)?,
             batch_size: positive("relay.batch_size", r.batch_size)?,
-            batch_linger: duration("relay.batch_linger", &r.batch_linger)?,
+            batch_linger: batch_linger(&r.batch_linger)?,
             max_message_bytes: positive("relay.max_message_bytes", r.max_message_bytes)?,
             shutdown_grace: duration("relay.shutdown_grace", &r.shutdown_grace)?,
             lease: duration("relay.lease", &r.lease)?,

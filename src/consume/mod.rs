@@ -25,6 +25,7 @@ use crate::outcome::ErrorCode;
 use crate::retry::Backoff;
 
 mod dead_letter;
+mod linger;
 
 /// A message's headers as (key, value) pairs; a header without a value is empty.
 fn headers_of<'a>(m: &'a BorrowedMessage<'_>) -> Vec<(&'a str, &'a [u8])> {
@@ -54,7 +55,8 @@ impl Consume {
     /// before returning, then offsets are committed synchronously.
     pub async fn run(self, shutdown: CancellationToken) {
         let consumer = self.consumer.clone();
-        let linger = self.config.relay.batch_linger;
+        let policy = self.config.relay.batch_linger;
+        let mut arrivals = linger::Arrivals::default();
         let max = self.config.relay.batch_size;
         // The last batch's tail (its direct answers' acknowledgements, then its offsets) runs
         // while the next batch is read and recorded, and ends before that batch's tail begins,
@@ -87,9 +89,11 @@ impl Consume {
                 }
             }
             // What librdkafka has fetched already joins the batch at once; waiting for more is
-            // only up to the linger (none by default: under load batches fill while the last
-            // one commits, and an idle relay answers a lone action without delay).
-            let deadline = tokio::time::Instant::now() + linger;
+            // only up to the linger (by default only while actions stream in: a lone action is
+            // answered without delay, a stream's batches fill and cost less per action).
+            let began = tokio::time::Instant::now();
+            let linger = arrivals.linger(policy);
+            let deadline = began + linger;
             while batch.len() < max {
                 match consumer.recv().now_or_never() {
                     Some(Ok(m)) => {
@@ -112,6 +116,7 @@ impl Consume {
                     Err(_) => break,
                 }
             }
+            arrivals.batch(began, batch.len());
             let previous = async {
                 match tail.take() {
                     Some(t) => t.await,
