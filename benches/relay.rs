@@ -101,9 +101,12 @@ fn brokers() -> String {
     std::env::var("IDEM_TEST_KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into())
 }
 
+/// Every relay of a run connects with this URL. Without TLS by default, like the run's Kafka
+/// clients: the local Postgres has `ssl = on` (for the TLS tests), and the peers' clients would
+/// otherwise differ (idem's and DBOS' prefer TLS, as libpq does; the naive relay's does not).
 fn postgres_url() -> String {
     std::env::var("IDEM_TEST_POSTGRES_URL")
-        .unwrap_or_else(|_| "postgres://idem:idem@127.0.0.1:5432/idem".into())
+        .unwrap_or_else(|_| "postgres://idem:idem@127.0.0.1:5432/idem?sslmode=disable".into())
 }
 
 #[derive(Debug, Default)]
