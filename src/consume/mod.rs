@@ -92,7 +92,7 @@ impl Consume {
             // only up to the linger (by default only while actions stream in: a lone action is
             // answered without delay, a stream's batches fill and cost less per action).
             let began = tokio::time::Instant::now();
-            let linger = arrivals.linger(policy);
+            let (linger, until) = arrivals.linger(policy, max);
             let deadline = began + linger;
             while batch.len() < max {
                 match consumer.recv().now_or_never() {
@@ -104,7 +104,7 @@ impl Consume {
                         tracing::warn!(error = %e, "kafka consume error");
                         break;
                     }
-                    None if linger.is_zero() => break,
+                    None if linger.is_zero() || batch.len() >= until => break,
                     None => {}
                 }
                 match tokio::time::timeout_at(deadline, consumer.recv()).await {
