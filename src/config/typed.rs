@@ -54,14 +54,16 @@ pub struct PostgresConfig {
 pub enum BatchLinger {
     /// Always this long (zero: what has been fetched is the batch).
     Fixed(Duration),
-    /// Up to this long, and only while actions arrive at least one per this time: a stream's
-    /// batches fill (fewer, larger transactions), a trickle's lone action is not held.
+    /// Up to this long, only while actions arrive at least one per this time and the batch is
+    /// still small: a stream's batches fill (fewer, larger transactions), a trickle's lone
+    /// action is not held.
     WhileBusy(Duration),
 }
 
 impl BatchLinger {
-    /// What `auto` waits, at most: at 1,000 actions/s on the benchmark machine 2 ms took the
-    /// CPU per action down by a sixth and p50 with it, 5 ms raised p50 (README, Performance).
+    /// What `auto` waits, at most: on the benchmark machine 2 ms took the CPU per action at
+    /// 1,000/s down by a fifth (and added 2.5 ms to p50 when the machine was otherwise idle),
+    /// while 5 ms raised p50 more than it saved (README, Performance).
     pub const AUTO: BatchLinger = BatchLinger::WhileBusy(Duration::from_millis(2));
 }
 
