@@ -277,21 +277,7 @@ fn unix_ms() -> i64 {
 }
 
 fn proc_stats(pid: u32) -> (f64, f64) {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    let fields: Vec<&str> = stat
-        .rsplit(')')
-        .next()
-        .unwrap_or("")
-        .split_whitespace()
-        .collect();
-    let ticks = |i: usize| {
-        fields
-            .get(i)
-            .and_then(|v| v.parse::<f64>().ok())
-            .unwrap_or(0.0)
-    };
-    // utime and stime are fields 14 and 15 of stat, 12 and 13 after the command name.
-    let cpu = (ticks(11) + ticks(12)) / 100.0;
+    let cpu = stat_fields(pid).map_or(0.0, |(_, f)| cpu_seconds(&f, UTIME));
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
     let hwm_kib = status
         .lines()
@@ -302,8 +288,33 @@ fn proc_stats(pid: u32) -> (f64, f64) {
     (cpu, hwm_kib / 1024.0)
 }
 
-/// `/proc/<pid>/stat`'s fields after the command name (the state is the first).
-fn stat_fields(pid: &str) -> Option<(String, Vec<u64>)> {
+/// Where utime is among [`stat_fields`] (field 14 of `man 5 proc`); stime follows it, and the
+/// reaped children's cutime and cstime follow that.
+const UTIME: usize = 11;
+
+/// The CPU seconds of the two tick counters from `at` among [`stat_fields`].
+fn cpu_seconds(fields: &[u64], at: usize) -> f64 {
+    let tick = |i: usize| fields.get(i).copied().unwrap_or(0);
+    (tick(at) + tick(at + 1)) as f64 / 100.0
+}
+
+/// Every process on this host: its pid, command name and [`stat_fields`].
+fn processes() -> Vec<(u32, String, Vec<u64>)> {
+    std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            let pid: u32 = e.file_name().to_str()?.parse().ok()?;
+            let (comm, fields) = stat_fields(pid)?;
+            Some((pid, comm, fields))
+        })
+        .collect()
+}
+
+/// `/proc/<pid>/stat`'s fields after the command name (the state is the first, the parent
+/// the second).
+fn stat_fields(pid: u32) -> Option<(String, Vec<u64>)> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     let (head, tail) = stat.rsplit_once(')')?;
     let comm = head.split_once('(')?.1.to_string();
@@ -330,41 +341,28 @@ struct HostCpu {
 
 impl HostCpu {
     fn read() -> Self {
-        const UTIME: usize = 11;
-        let own = |f: &[u64]| (f[UTIME] + f[UTIME + 1]) as f64 / 100.0;
-        let reaped = |f: &[u64]| (f[UTIME + 2] + f[UTIME + 3]) as f64 / 100.0;
         let mut cpu = HostCpu::default();
-        let pids: Vec<String> = std::fs::read_dir("/proc")
-            .into_iter()
-            .flatten()
-            .flatten()
-            .filter_map(|e| e.file_name().to_str().map(str::to_string))
-            .filter(|p| p.bytes().all(|b| b.is_ascii_digit()))
-            .collect();
-        let stats: Vec<(String, String, Vec<u64>)> = pids
-            .into_iter()
-            .filter_map(|p| stat_fields(&p).map(|(comm, f)| (p, comm, f)))
-            .filter(|(_, _, f)| f.len() > UTIME + 3)
-            .collect();
-        let postgres: Vec<&str> = stats
+        let stats = processes();
+        let postgres: std::collections::HashSet<u32> = stats
             .iter()
             .filter(|(_, comm, _)| comm == "postgres")
-            .map(|(p, _, _)| p.as_str())
+            .map(|(p, _, _)| *p)
             .collect();
-        let me = std::process::id().to_string();
+        let me = std::process::id();
         for (pid, comm, f) in &stats {
             if comm == "postgres" {
-                cpu.postgres += own(f);
+                cpu.postgres += cpu_seconds(f, UTIME);
                 // The postmaster: a postgres process whose parent is not one.
-                if !postgres.contains(&f[1].to_string().as_str()) {
-                    cpu.postgres += reaped(f);
+                let parent = f.get(1).map_or(0, |p| *p as u32);
+                if !postgres.contains(&parent) {
+                    cpu.postgres += cpu_seconds(f, UTIME + 2);
                 }
             } else if *pid == me {
-                cpu.bench += own(f);
+                cpu.bench += cpu_seconds(f, UTIME);
             } else if comm == "java" {
                 let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
                 if cmdline.windows(11).any(|w| w == b"kafka.Kafka") {
-                    cpu.broker += own(f);
+                    cpu.broker += cpu_seconds(f, UTIME);
                 }
             }
         }
@@ -396,30 +394,32 @@ impl HostCpu {
 /// `[relay]` settings from `IDEM_BENCH_RELAY` (`name=value,name=value`) written into idem's
 /// config, to measure a setting (`batch_linger=2ms`); a value that is not a number is quoted.
 fn relay_extra() -> String {
-    std::env::var("IDEM_BENCH_RELAY")
+    env_pairs("IDEM_BENCH_RELAY")
+        .into_iter()
+        .map(|(k, v)| {
+            if v.parse::<f64>().is_ok() {
+                format!("{k} = {v}\n")
+            } else {
+                format!("{k} = \"{v}\"\n")
+            }
+        })
+        .collect()
+}
+
+/// `name=value,name=value` from the environment variable `var`, trimmed; none when unset.
+fn env_pairs(var: &str) -> Vec<(String, String)> {
+    std::env::var(var)
         .unwrap_or_default()
         .split(',')
         .filter_map(|kv| kv.split_once('='))
-        .map(|(k, v)| {
-            let v = v.trim();
-            if v.parse::<f64>().is_ok() {
-                format!("{} = {v}\n", k.trim())
-            } else {
-                format!("{} = \"{v}\"\n", k.trim())
-            }
-        })
+        .map(|(k, v)| (k.trim().to_string(), v.trim().to_string()))
         .collect()
 }
 
 /// librdkafka properties from `IDEM_BENCH_KAFKA` (`name=value,name=value`), set on the
 /// benchmark's own clients and in idem's `kafka.client`, to measure a client setting.
 fn kafka_extra() -> Vec<(String, String)> {
-    std::env::var("IDEM_BENCH_KAFKA")
-        .unwrap_or_default()
-        .split(',')
-        .filter_map(|kv| kv.split_once('='))
-        .map(|(k, v)| (k.trim().to_string(), v.trim().to_string()))
-        .collect()
+    env_pairs("IDEM_BENCH_KAFKA")
 }
 
 /// A client config for the benchmark's own clients.
@@ -553,23 +553,9 @@ async fn prefill(pg: &tokio_postgres::Client, schema: &str, n: usize, payload: u
 /// `pid` and its descendants, read from /proc once: a relay that starts its own processes (the
 /// restate peer's server and service) is measured whole.
 fn process_tree(pid: u32) -> Vec<u32> {
-    let parents: Vec<(u32, u32)> = std::fs::read_dir("/proc")
+    let parents: Vec<(u32, u32)> = processes()
         .into_iter()
-        .flatten()
-        .flatten()
-        .filter_map(|e| {
-            let p: u32 = e.file_name().to_str()?.parse().ok()?;
-            let stat = std::fs::read_to_string(format!("/proc/{p}/stat")).ok()?;
-            // The parent is the second field after the command name.
-            let ppid = stat
-                .rsplit(')')
-                .next()?
-                .split_whitespace()
-                .nth(1)?
-                .parse()
-                .ok()?;
-            Some((p, ppid))
-        })
+        .filter_map(|(p, _, f)| Some((p, *f.get(1)? as u32)))
         .collect();
     let mut tree = vec![pid];
     let mut i = 0;
