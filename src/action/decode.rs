@@ -341,21 +341,26 @@ fn partial_from(event_id: &str, data: &Value, kafka_key: Option<&[u8]>) -> Optio
 
 /// The first string (or object key) holding a NUL, which Postgres cannot store.
 pub fn find_nul(v: &Value, path: &str) -> Option<String> {
-    match v {
-        Value::String(s) if s.contains('\0') => Some(path.to_string()),
-        Value::Array(items) => items
-            .iter()
-            .enumerate()
-            .find_map(|(i, x)| find_nul(x, &format!("{path}[{i}]"))),
-        Value::Object(m) => m.iter().find_map(|(k, x)| {
-            if k.contains('\0') {
-                Some(path.to_string())
-            } else {
-                find_nul(x, &format!("{path}.{k}"))
-            }
-        }),
-        _ => None,
+    // The path below `v` is built only on the way back from a find: most events have none,
+    // and formatting every field's path had cost each one an allocation per field.
+    fn below(v: &Value) -> Option<String> {
+        match v {
+            Value::String(s) => s.contains('\0').then(String::new),
+            Value::Array(items) => items
+                .iter()
+                .enumerate()
+                .find_map(|(i, x)| below(x).map(|rest| format!("[{i}]{rest}"))),
+            Value::Object(m) => m.iter().find_map(|(k, x)| {
+                if k.contains('\0') {
+                    Some(String::new())
+                } else {
+                    below(x).map(|rest| format!(".{k}{rest}"))
+                }
+            }),
+            _ => None,
+        }
     }
+    below(v).map(|rest| format!("{path}{rest}"))
 }
 
 fn valid_traceparent(t: &str) -> bool {
@@ -394,6 +399,29 @@ mod tests {
         assert_eq!(e.data.run_id, "r1");
         assert_eq!(e.data.step, Some(4));
         assert_eq!(e.data.args["to"], "a");
+    }
+
+    #[test]
+    fn a_nul_is_named_by_its_path() {
+        let nested = json!({"args": {"to": "a", "items": [{"note": "ok"}, {"note": "x\u{0}y"}]}});
+        assert_eq!(
+            find_nul(&nested, "data").as_deref(),
+            Some("data.args.items[1].note")
+        );
+        // A key holding a NUL is named by the object it is in.
+        let key = json!({"args": {"a\u{0}b": 1}});
+        assert_eq!(find_nul(&key, "data").as_deref(), Some("data.args"));
+        assert_eq!(
+            find_nul(&json!({"args": {"to": ["a", 1, null]}}), "data"),
+            None
+        );
+
+        let body = structured(json!({"run_id": "r1", "tool": "t", "args": {"to": "\u{0}"}}));
+        let e = decode_action(Some(&body), None, &[], MAX).unwrap_err();
+        assert_eq!(
+            e.detail,
+            "data.args.to contains a NUL character, which cannot be stored"
+        );
     }
 
     #[test]
