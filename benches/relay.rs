@@ -354,6 +354,10 @@ struct HostCpu {
     postgres: f64,
     broker: f64,
     bench: f64,
+    /// The host's CPU time stolen by its hypervisor, and all its CPU time, in ticks
+    /// (`/proc/stat`).
+    steal: u64,
+    ticks: u64,
 }
 
 impl HostCpu {
@@ -383,7 +387,26 @@ impl HostCpu {
                 }
             }
         }
+        // The first line: user nice system idle iowait irq softirq steal guest guest_nice.
+        let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+        let ticks: Vec<u64> = stat
+            .lines()
+            .next()
+            .unwrap_or_default()
+            .split_whitespace()
+            .skip(1)
+            .take(8)
+            .map(|v| v.parse().unwrap_or(0))
+            .collect();
+        cpu.ticks = ticks.iter().sum();
+        cpu.steal = ticks.get(7).copied().unwrap_or(0);
         cpu
+    }
+
+    /// The share of the host's CPU time its hypervisor took from it since `before`.
+    fn steal_since(&self, before: &HostCpu) -> f64 {
+        let ticks = self.ticks.saturating_sub(before.ticks).max(1);
+        self.steal.saturating_sub(before.steal) as f64 / ticks as f64 * 100.0
     }
 
     /// The CPU used from `before` to now, per action in microseconds, with the relay's.
@@ -406,6 +429,39 @@ impl HostCpu {
             us(total)
         )
     }
+}
+
+/// How long this host takes, in milliseconds, for a fixed piece of work like the relay's: an
+/// outcome-sized JSON event parsed and written again 10,000 times on one core, the fastest of
+/// three rounds (so a neighbour's burst on the other core counts less). This machine's speed
+/// changes by the hour (a factor of two between runs of the same build), so a run is compared
+/// only with runs whose host check was alike.
+async fn host_check() -> f64 {
+    tokio::task::spawn_blocking(|| {
+        let event = json!({
+            "specversion": "1.0", "type": "dev.idem.outcome.v1", "source": "idem",
+            "id": "0f8fad5b-d9cb-469f-a165-70867728950e", "subject": "run-7:send:b42",
+            "time": "2026-12-06T15:10:00.123Z", "datacontenttype": "application/json",
+            "data": {"idempotency_key": "run-7:send:b42", "run_id": "run-7", "step": 3,
+                     "tool": "send", "action_event_id": "bench-42", "status": "succeeded",
+                     "result": {"id": "msg_42", "status": "sent", "to": "c42", "pad": "x".repeat(200)},
+                     "duplicate": false, "attempts": 1, "note": "Done at 15:10:00 UTC (msg_42)."}
+        });
+        let text = serde_json::to_vec(&event).unwrap();
+        let round = || {
+            let started = Instant::now();
+            let mut written = 0;
+            for _ in 0..10_000 {
+                let v: Value = serde_json::from_slice(std::hint::black_box(&text)).unwrap();
+                written += serde_json::to_vec(&v).unwrap().len();
+            }
+            std::hint::black_box(written);
+            started.elapsed().as_secs_f64() * 1000.0
+        };
+        (0..3).map(|_| round()).fold(f64::INFINITY, f64::min)
+    })
+    .await
+    .unwrap()
 }
 
 /// `[relay]` settings from `IDEM_BENCH_RELAY` (`name=value,name=value`) written into idem's
@@ -797,8 +853,10 @@ verify = {{ url = "http://{addr}/v1/effects/{{key}}" }}
         .set("enable.idempotence", "true")
         .create()
         .unwrap();
-    // Let the relay join its group before the clock starts.
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    // Let the relay join its group before the clock starts; the host is checked meanwhile.
+    let joined = tokio::time::sleep(Duration::from_secs(3));
+    let check_before = host_check().await;
+    joined.await;
     let commits_before = pg_commits(&pg).await;
     let (cpu_before, _) = tree_stats(&pids);
     let host_before = HostCpu::read();
@@ -881,6 +939,7 @@ verify = {{ url = "http://{addr}/v1/effects/{{key}}" }}
     let seconds = finished.duration_since(started).as_secs_f64();
     let (cpu_after, hwm) = tree_stats(&pids);
     let host_cpu = HostCpu::read();
+    let check_after = host_check().await;
     let commits = pg_commits(&pg).await - commits_before;
     // End to end (send → outcome seen), and its first part: send → outcome produced by the
     // relay (the outcome's Kafka timestamp, millisecond resolution).
@@ -911,6 +970,10 @@ verify = {{ url = "http://{addr}/v1/effects/{{key}}" }}
     eprintln!(
         "{mode}: {}",
         host_cpu.per_action_line(&host_before, cpu_after - cpu_before, n)
+    );
+    eprintln!(
+        "{mode}: host check {check_before:.0} ms before the run, {check_after:.0} ms after (lower is faster); steal {:.1} % of the host's CPU time during the run",
+        host_cpu.steal_since(&host_before)
     );
     // Paced only: flat out, each stage is mostly the backlog's queue.
     if mode == "idem" && opts.rate > 0 {
