@@ -57,6 +57,7 @@ impl Consume {
         let consumer = self.consumer.clone();
         let policy = self.config.relay.batch_linger;
         let mut arrivals = linger::Arrivals::default();
+        let mut fine = linger::FineSleep::start();
         let max = self.config.relay.batch_size;
         // The last batch's tail (its direct answers' acknowledgements, then its offsets) runs
         // while the next batch is read and recorded, and ends before that batch's tail begins,
@@ -89,11 +90,12 @@ impl Consume {
                 }
             }
             // What librdkafka has fetched already joins the batch at once; waiting for more is
-            // only up to the linger (by default only while actions stream in: a lone action is
-            // answered without delay, a stream's batches fill and cost less per action).
+            // only up to the linger (by default only while actions stream in, and only while
+            // they keep coming: a lone action is answered without delay, a stream's batches
+            // fill and cost less per action, a burst goes as soon as it has all come in).
             let began = tokio::time::Instant::now();
-            let (linger, until) = arrivals.linger(policy, max);
-            let deadline = began + linger;
+            let wait = arrivals.linger(policy, max);
+            let deadline = began + wait.most;
             while batch.len() < max {
                 match consumer.recv().now_or_never() {
                     Some(Ok(m)) => {
@@ -104,16 +106,29 @@ impl Consume {
                         tracing::warn!(error = %e, "kafka consume error");
                         break;
                     }
-                    None if linger.is_zero() || batch.len() >= until => break,
+                    None if wait.most.is_zero() || batch.len() >= wait.until => break,
                     None => {}
                 }
-                match tokio::time::timeout_at(deadline, consumer.recv()).await {
-                    Ok(Ok(m)) => batch.push(m),
-                    Ok(Err(e)) => {
+                let next = match wait.gap {
+                    None => tokio::time::timeout_at(deadline, consumer.recv())
+                        .await
+                        .ok(),
+                    Some(gap) => {
+                        let until = deadline.min(tokio::time::Instant::now() + gap);
+                        tokio::select! {
+                            biased;
+                            m = consumer.recv() => Some(m),
+                            () = fine.until(until) => None,
+                        }
+                    }
+                };
+                match next {
+                    Some(Ok(m)) => batch.push(m),
+                    Some(Err(e)) => {
                         tracing::warn!(error = %e, "kafka consume error");
                         break;
                     }
-                    Err(_) => break,
+                    None => break,
                 }
             }
             arrivals.batch(began, batch.len());
