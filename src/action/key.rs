@@ -142,8 +142,32 @@ pub fn material(tool: &Tool, data: &ActionData) -> Map<String, Value> {
 /// Hash of canonical JSON: object keys sorted (serde_json's map keeps them so) and numbers
 /// by value (see [`canonical`]), so equal values hash equal.
 pub fn hash_json(v: &Value) -> String {
-    let bytes = serde_json::to_vec(&canonical(v)).expect("json values serialize");
+    let mut bytes = Vec::with_capacity(256);
+    write_canonical(v, &mut bytes);
     hex::encode(&Sha256::digest(&bytes)[..16])
+}
+
+/// [`hash_json`] of the object `m`, without building a value of it.
+pub fn hash_object(m: &Map<String, Value>) -> String {
+    let mut bytes = Vec::with_capacity(256);
+    write_object(m, &mut bytes);
+    hex::encode(&Sha256::digest(&bytes)[..16])
+}
+
+/// The integer a float with no fraction stands for (`5.0`, `1e2`), when an integer holds it
+/// exactly; `None` for an integer already, a fraction, or a float past 2^53.
+fn integral(n: &serde_json::Number) -> Option<i64> {
+    match n.as_f64() {
+        Some(f)
+            if !n.is_i64()
+                && !n.is_u64()
+                && f.fract() == 0.0
+                && f.abs() < 9.007_199_254_740_992e15 =>
+        {
+            Some(f as i64)
+        }
+        _ => None,
+    }
 }
 
 /// The value with every number written the one way RFC 8785 writes it: a float with no
@@ -152,23 +176,54 @@ pub fn hash_json(v: &Value) -> String {
 /// canonicalization does, would make two different amounts one.
 pub fn canonical(v: &Value) -> Value {
     match v {
-        Value::Number(n) => match n.as_f64() {
-            Some(f)
-                if !n.is_i64()
-                    && !n.is_u64()
-                    && f.fract() == 0.0
-                    && f.abs() < 9.007_199_254_740_992e15 =>
-            {
-                Value::from(f as i64)
-            }
-            _ => v.clone(),
-        },
+        Value::Number(n) => integral(n).map_or_else(|| v.clone(), Value::from),
         Value::Array(items) => Value::Array(items.iter().map(canonical).collect()),
         Value::Object(m) => {
             Value::Object(m.iter().map(|(k, x)| (k.clone(), canonical(x))).collect())
         }
         other => other.clone(),
     }
+}
+
+/// Writes `serde_json::to_vec(&canonical(v))` without the copy: every action hashes its
+/// arguments and its material fields, and the copy had been most of that cost.
+fn write_canonical(v: &Value, out: &mut Vec<u8>) {
+    let written = match v {
+        Value::Number(n) => match integral(n) {
+            Some(i) => serde_json::to_writer(&mut *out, &i),
+            None => serde_json::to_writer(&mut *out, n),
+        },
+        Value::Array(items) => {
+            out.push(b'[');
+            for (i, x) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push(b',');
+                }
+                write_canonical(x, out);
+            }
+            out.push(b']');
+            Ok(())
+        }
+        Value::Object(m) => {
+            write_object(m, out);
+            Ok(())
+        }
+        other => serde_json::to_writer(&mut *out, other),
+    };
+    written.expect("json values serialize");
+}
+
+fn write_object(m: &Map<String, Value>, out: &mut Vec<u8>) {
+    out.push(b'{');
+    for (i, (k, x)) in m.iter().enumerate() {
+        if i > 0 {
+            out.push(b',');
+        }
+        serde_json::to_writer(&mut *out, k).expect("strings serialize");
+        out.push(b':');
+        write_canonical(x, out);
+    }
+    out.push(b'}');
 }
 
 /// Names of the material fields whose values differ.
@@ -239,6 +294,43 @@ executor = { kind = "http", url = "http://127.0.0.1:1/x" }
         assert_ne!(
             hash_json(&Value::Object(a.args.clone())),
             hash_json(&Value::Object(b.args.clone()))
+        );
+    }
+
+    /// Fingerprints are stored: a hash must never change with how it is computed. The same
+    /// bytes as before the writer, and a pinned value.
+    #[test]
+    fn the_canonical_writer_writes_what_the_canonical_copy_serializes() {
+        use proptest::prelude::*;
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::from),
+            any::<i64>().prop_map(Value::from),
+            any::<u64>().prop_map(Value::from),
+            any::<f64>()
+                .prop_map(|f| serde_json::Number::from_f64(f).map_or(Value::Null, Value::Number)),
+            (-1_000_000i64..1_000_000).prop_map(|i| json!(i as f64)),
+            ".*".prop_map(Value::from),
+        ];
+        let values = leaf.prop_recursive(4, 64, 8, |inner| {
+            prop_oneof![
+                prop::collection::vec(inner.clone(), 0..8).prop_map(Value::Array),
+                prop::collection::btree_map(".*", inner, 0..8)
+                    .prop_map(|m| Value::Object(m.into_iter().collect())),
+            ]
+        });
+        proptest!(|(v in values)| {
+            let mut written = Vec::new();
+            write_canonical(&v, &mut written);
+            prop_assert_eq!(written, serde_json::to_vec(&canonical(&v)).unwrap());
+            if let Value::Object(m) = &v {
+                prop_assert_eq!(hash_object(m), hash_json(&v));
+            }
+        });
+        // sha256(`{"a":5,"b":[1,"x\"y",{"c":null,"d":true}]}`), first 16 bytes.
+        assert_eq!(
+            hash_json(&json!({"b": [1, "x\"y", {"d": true, "c": null}], "a": 5.0})),
+            "1313a2d940bed01f7e2d3a3b61220122"
         );
     }
 

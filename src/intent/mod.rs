@@ -67,8 +67,8 @@ pub struct KeyedAction {
 impl KeyedAction {
     pub fn new(pos: Position, event: ActionEvent, tool: &Tool, key: String, gates: Gates) -> Self {
         let material = key::material(tool, &event.data);
-        let fingerprint = key::hash_json(&Value::Object(material.clone()));
-        let args_hash = key::hash_json(&Value::Object(event.data.args.clone()));
+        let fingerprint = key::hash_object(&material);
+        let args_hash = key::hash_object(&event.data.args);
         KeyedAction {
             pos,
             key,
