@@ -58,7 +58,7 @@ async fn the_broker_killed_and_restarted_while_actions_flow_loses_and_repeats_no
             || async { readyz(relay.admin()).await == (503, true) },
         )
         .await;
-        drop(restart);
+        restart.start_again().await;
     };
     tokio::join!(held, back);
     for e in &events[200..] {

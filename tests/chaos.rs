@@ -75,14 +75,6 @@ impl Fleet {
     }
 }
 
-/// Runs a blocking fault step on a thread of its own, so the runtime that serves the fake
-/// downstream and the producer keeps running meanwhile.
-async fn restart_off_thread(step: impl FnOnce() + Send + 'static) {
-    tokio::task::spawn_blocking(step)
-        .await
-        .expect("the fault step completes");
-}
-
 #[tokio::test]
 async fn two_relays_under_every_fault_execute_each_key_at_most_once_and_answer_everything() {
     let env = Env::new().await;
@@ -169,14 +161,10 @@ async fn two_relays_under_every_fault_execute_each_key_at_most_once_and_answer_e
                 // A relay paused past its 3 s lease, then resumed.
                 10 => fleet.relays[0].signal("-STOP"),
                 20 => fleet.relays[0].signal("-CONT"),
-                // Postgres restarted, and the broker killed and started again. Both wait for
-                // the service to come back (seconds; the broker's start takes 15-20 s here), so
-                // they run off this test's one runtime thread: on it they had stalled the fake
-                // downstream, which then applied calls long past their deadline, after the
-                // verifications that had found them not done (a downstream idem's verify
-                // assumes away; README, "Assumes"), and the soak failed with doubled effects.
-                30 => restart_off_thread(|| drop(common::stop_postgres())).await,
-                50 => restart_off_thread(|| drop(common::kill_broker())).await,
+                // Postgres restarted, and the broker killed and started again, each waited
+                // for off the runtime that serves the fake downstream.
+                30 => common::stop_postgres().start_again().await,
+                50 => common::kill_broker().start_again().await,
                 _ => {}
             }
         }

@@ -243,7 +243,7 @@ async fn postgres_stopped_for_seventy_seconds_loses_nothing_and_repeats_nothing(
         outcomes.answers("s0").is_empty(),
         "nothing recorded while stopped"
     );
-    drop(cluster);
+    cluster.start_again().await;
     assert_each_answered_and_executed_once(
         &env,
         &outcomes,

@@ -142,15 +142,18 @@ pub fn material(tool: &Tool, data: &ActionData) -> Map<String, Value> {
 /// Hash of canonical JSON: object keys sorted (serde_json's map keeps them so) and numbers
 /// by value (see [`canonical`]), so equal values hash equal.
 pub fn hash_json(v: &Value) -> String {
-    let mut bytes = Vec::with_capacity(256);
-    write_canonical(v, &mut bytes);
-    hex::encode(&Sha256::digest(&bytes)[..16])
+    hashed(|bytes| write_canonical(v, bytes))
 }
 
 /// [`hash_json`] of the object `m`, without building a value of it.
 pub fn hash_object(m: &Map<String, Value>) -> String {
+    hashed(|bytes| write_object(m, bytes))
+}
+
+/// The first 16 bytes of the SHA-256 of what `write` writes, in hex.
+fn hashed(write: impl FnOnce(&mut Vec<u8>)) -> String {
     let mut bytes = Vec::with_capacity(256);
-    write_object(m, &mut bytes);
+    write(&mut bytes);
     hex::encode(&Sha256::digest(&bytes)[..16])
 }
 

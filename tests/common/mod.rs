@@ -707,6 +707,26 @@ pub fn stop_postgres() -> PostgresStopped {
     PostgresStopped::stop()
 }
 
+impl PostgresStopped {
+    /// Starts the cluster again and waits until it answers, off the runtime's threads (see
+    /// [`restarted_off_runtime`]).
+    pub async fn start_again(self) {
+        restarted_off_runtime(self).await
+    }
+}
+
+/// Drops a guard that restarts a service (and waits seconds for it) on a blocking thread. A
+/// test's runtime also serves its fake downstream and often its relay: blocked, the downstream
+/// would answer nothing for those seconds and then serve its queued calls in no particular
+/// order, applying some after their deadline and after verifications that found them not
+/// done. That is a downstream idem's verify assumes away (README, "Assumes"), and the chaos
+/// soak once failed with doubled effects that way.
+async fn restarted_off_runtime<G: Send + 'static>(guard: G) {
+    if let Err(e) = tokio::task::spawn_blocking(move || drop(guard)).await {
+        std::panic::resume_unwind(e.into_panic());
+    }
+}
+
 fn kafka_pid_file() -> std::path::PathBuf {
     let state = std::env::var("IDEM_LOCAL_DIR")
         .unwrap_or_else(|_| format!("{}/.cache/idem-local", std::env::var("HOME").unwrap()));
@@ -724,6 +744,14 @@ impl Drop for BrokerKilled {
             .status()
             .expect("bash runs the services script");
         assert!(ok.success(), "the broker came back");
+    }
+}
+
+impl BrokerKilled {
+    /// Starts the broker again and waits until it answers, off the runtime's threads (see
+    /// [`restarted_off_runtime`]).
+    pub async fn start_again(self) {
+        restarted_off_runtime(self).await
     }
 }
 
