@@ -242,8 +242,8 @@ mod tests {
 
     #[test]
     fn duplicate_of_success_says_do_not_retry() {
-        let o = duplicate(&state(OutcomeStatus::Succeeded), "evt-2", None);
-        let d = &o.payload["data"];
+        let o = duplicate(&state(OutcomeStatus::Succeeded), "evt-2", None).json();
+        let d = &o["data"];
         assert_eq!(d["status"], "succeeded");
         assert_eq!(d["duplicate"], true);
         assert_eq!(d["action_event_id"], "evt-2");
@@ -252,7 +252,7 @@ mod tests {
             d["note"],
             "Already done at 10:00:03 UTC (msg_1041); not repeated. Do not retry."
         );
-        assert_eq!(o.payload["subject"], "run_42:send_email:order_8812");
+        assert_eq!(o["subject"], "run_42:send_email:order_8812");
     }
 
     #[test]
@@ -280,8 +280,9 @@ mod tests {
             Some(5),
             vec!["args.to".into()],
             None,
-        );
-        let d = &o.payload["data"];
+        )
+        .json();
+        let d = &o["data"];
         assert_eq!(d["status"], "rejected");
         assert_eq!(d["error"]["code"], "key_conflict");
         assert_eq!(d["error"]["fields"], json!(["args.to"]));

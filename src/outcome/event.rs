@@ -187,28 +187,32 @@ impl ErrorCode {
     }
 }
 
+// The fields of the structs an outcome event is written from are declared in the order of their
+// names: that is the order in which the event's JSON has always listed them (it was built as a
+// `serde_json::Value`, whose maps sort their keys), so the bytes published are unchanged.
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct OutcomeError {
     pub code: String,
-    pub message: String,
-    pub retryable: bool,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fields: Option<Vec<String>>,
+    pub message: String,
+    pub retryable: bool,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct OutcomeData {
+    pub action_event_id: String,
+    pub attempts: i32,
+    pub duplicate: bool,
+    pub error: Option<OutcomeError>,
     pub idempotency_key: String,
+    pub note: String,
+    pub result: Option<Value>,
     pub run_id: Option<String>,
+    pub status: OutcomeStatus,
     pub step: Option<i64>,
     pub tool: Option<String>,
-    pub action_event_id: String,
-    pub status: OutcomeStatus,
-    pub result: Option<Value>,
-    pub error: Option<OutcomeError>,
-    pub duplicate: bool,
-    pub attempts: i32,
-    pub note: String,
 }
 
 /// A ready-to-publish outcome: its stable id, Kafka key and CloudEvents JSON.
@@ -216,8 +220,25 @@ pub struct OutcomeData {
 pub struct Outcome {
     pub event_id: String,
     pub key: String,
-    pub payload: Value,
+    /// The CloudEvent, serialized once: written to the outbox and sent to Kafka as these bytes.
+    pub payload: String,
     pub traceparent: Option<String>,
+}
+
+/// An outcome's CloudEvent as it is serialized, its attributes in the order of their names.
+#[derive(Serialize)]
+struct CloudEvent<'a> {
+    data: &'a OutcomeData,
+    datacontenttype: &'static str,
+    id: &'a str,
+    source: &'static str,
+    specversion: &'static str,
+    subject: &'a str,
+    time: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    traceparent: Option<&'a str>,
+    #[serde(rename = "type")]
+    kind: &'static str,
 }
 
 /// Stable outcome id: the same (key, answer) always gets the same id, so a republished
@@ -256,25 +277,29 @@ impl Outcome {
         } else {
             traceparent
         };
-        let mut payload = serde_json::json!({
-            "specversion": "1.0",
-            "type": OUTCOME_TYPE,
-            "source": OUTCOME_SOURCE,
-            "id": event_id,
-            "subject": key,
-            "time": time.to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
-            "datacontenttype": "application/json",
-            "data": data,
-        });
-        if let Some(t) = &traceparent {
-            payload["traceparent"] = Value::String(t.clone());
-        }
+        let payload = serde_json::to_string(&CloudEvent {
+            data: &data,
+            datacontenttype: "application/json",
+            id: &event_id,
+            source: OUTCOME_SOURCE,
+            specversion: "1.0",
+            subject: &key,
+            time: time.to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
+            traceparent: traceparent.as_deref(),
+            kind: OUTCOME_TYPE,
+        })
+        .expect("an outcome serializes");
         Outcome {
             event_id,
             key,
             payload,
             traceparent,
         }
+    }
+
+    /// The CloudEvent, parsed back.
+    pub fn json(&self) -> Value {
+        serde_json::from_str(&self.payload).expect("an outcome is JSON")
     }
 }
 
@@ -306,5 +331,89 @@ mod tests {
         assert_ne!(outcome_id("k", "status:1"), outcome_id("k", "status:2"));
         assert_ne!(outcome_id("k", "status:1"), outcome_id("k2", "status:1"));
         assert_eq!(outcome_id("k", "x").len(), 36);
+    }
+
+    /// How an outcome event was written before it was serialized from typed fields: a
+    /// `serde_json::Value` built by `json!`, its maps' keys sorted.
+    fn as_a_value(event_id: &str, data: &OutcomeData, time: &str, trace: Option<&str>) -> Value {
+        let mut payload = serde_json::json!({
+            "specversion": "1.0",
+            "type": OUTCOME_TYPE,
+            "source": OUTCOME_SOURCE,
+            "id": event_id,
+            "subject": data.idempotency_key,
+            "time": time,
+            "datacontenttype": "application/json",
+            "data": data,
+        });
+        if let Some(t) = trace {
+            payload["traceparent"] = Value::String(t.to_string());
+        }
+        payload
+    }
+
+    /// Outcome events are published and stored: serializing them from typed fields must write
+    /// the bytes the `Value` they were built as before wrote, for any data.
+    #[test]
+    fn an_outcome_is_written_as_it_was_when_built_as_a_value() {
+        use proptest::prelude::*;
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::from),
+            any::<i64>().prop_map(Value::from),
+            any::<f64>()
+                .prop_map(|f| serde_json::Number::from_f64(f).map_or(Value::Null, Value::Number)),
+            ".*".prop_map(Value::from),
+        ];
+        let results = leaf.prop_recursive(3, 32, 6, |inner| {
+            prop_oneof![
+                prop::collection::vec(inner.clone(), 0..6).prop_map(Value::Array),
+                prop::collection::btree_map(".*", inner, 0..6)
+                    .prop_map(|m| Value::Object(m.into_iter().collect())),
+            ]
+        });
+        let errors = prop::option::of((
+            ".*",
+            prop::option::of(prop::collection::vec(".*", 0..3)),
+            ".*",
+            any::<bool>(),
+        ));
+        let strings = (".*", prop::option::of(".*"), prop::option::of(".*"), ".*");
+        let numbers = (prop::option::of(any::<i64>()), any::<i32>(), any::<bool>());
+        let status = prop::sample::select(OutcomeStatus::ALL.to_vec());
+        let trace = prop::option::of("[0-9a-f-]{1,55}");
+        proptest!(|(
+            (key, run_id, tool, note) in strings,
+            (step, attempts, duplicate) in numbers,
+            status in status,
+            result in prop::option::of(results),
+            error in errors,
+            trace in trace,
+            event_id in ".*",
+        )| {
+            let data = OutcomeData {
+                action_event_id: format!("evt-{event_id}"),
+                attempts,
+                duplicate,
+                error: error.map(|(code, fields, message, retryable)| OutcomeError {
+                    code,
+                    fields,
+                    message,
+                    retryable,
+                }),
+                idempotency_key: key.clone(),
+                note,
+                result,
+                run_id,
+                status,
+                step,
+                tool,
+            };
+            let time = chrono::DateTime::from_timestamp_millis(1_733_500_000_123).unwrap();
+            let before = as_a_value(&event_id, &data, "2024-12-06T15:46:40.123Z", trace.as_deref());
+            let outcome = Outcome::new(event_id.clone(), data, time, trace.clone());
+            prop_assert_eq!(&outcome.payload, &serde_json::to_string(&before).unwrap());
+            prop_assert_eq!(outcome.key, key);
+        });
     }
 }

@@ -3,9 +3,8 @@
 
 use deadpool_postgres::GenericClient;
 use deadpool_postgres::Transaction;
-use serde_json::Value;
 
-use crate::db::DbError;
+use crate::db::{DbError, JsonbText};
 use crate::intent::sql::INSERT_OUTBOX;
 use crate::outcome::Outcome;
 
@@ -43,12 +42,12 @@ pub(crate) async fn insert_outbox_prepared(
     Ok(row.get::<_, i64>(0) as usize)
 }
 
-/// The outbox insert's parameters, one array per column: event ids, Kafka keys, payloads,
-/// trace contexts.
+/// The outbox insert's parameters, one array per column: event ids, Kafka keys, payloads (as
+/// serialized), trace contexts.
 type Columns<'a> = (
     Vec<&'a str>,
     Vec<&'a str>,
-    Vec<&'a Value>,
+    Vec<JsonbText<'a>>,
     Vec<Option<&'a str>>,
 );
 
@@ -56,7 +55,7 @@ fn columns(outcomes: &[Outcome]) -> Columns<'_> {
     (
         outcomes.iter().map(|o| o.event_id.as_str()).collect(),
         outcomes.iter().map(|o| o.key.as_str()).collect(),
-        outcomes.iter().map(|o| &o.payload).collect(),
+        outcomes.iter().map(|o| JsonbText(&o.payload)).collect(),
         outcomes.iter().map(|o| o.traceparent.as_deref()).collect(),
     )
 }
@@ -114,7 +113,9 @@ pub struct OutboxRow {
     pub live: bool,
     pub event_id: String,
     pub key: String,
-    pub payload: Value,
+    /// The CloudEvent's JSON: as the outcome was serialized for a row handed over, as Postgres
+    /// writes the stored `jsonb` for a row read from the queue.
+    pub payload: String,
     pub traceparent: Option<String>,
 }
 
@@ -129,7 +130,7 @@ pub struct OutboxRow {
 // locked too (two relays' rounds take disjoint ids) and the outbox rows still are (relays of
 // the previous version lock those alone).
 const SELECT_UNPUBLISHED: &str = "
-    select o.id, o.event_id, o.kafka_key, o.payload, o.traceparent,
+    select o.id, o.event_id, o.kafka_key, o.payload::text as payload, o.traceparent,
            o.published_at is null and o.quarantined_at is null as live
       from outbox o
      where o.id = any(array(select id from outbox_pending order by id limit $1
