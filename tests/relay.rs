@@ -1129,6 +1129,56 @@ async fn a_finishs_outcomes_go_out_without_a_notify_or_a_poll() {
     relay.stop().await;
 }
 
+/// An outcome read back from the queue (a conflict's answer: the consumer writes it to the
+/// outbox, and a round that reads the queue sends it) goes out as compact as one handed over,
+/// with its CloudEvents attributes in its headers, though Postgres stores it as `jsonb` and
+/// writes it back with a space after every `:` and `,`.
+#[tokio::test]
+async fn an_outcome_read_back_from_the_queue_goes_out_compact_with_its_headers() {
+    let env = Env::new().await;
+    let outcomes = env.outcomes().await;
+    let relay = env.start(env.config(EMAIL, "").await).await;
+    let p = env.producer();
+    p.send(&action(
+        "evt-q1",
+        email("run_q", "order_q", "Hi, there: twice"),
+    ))
+    .await;
+    outcomes.answer("evt-q1", "succeeded").await;
+    let mut changed = email("run_q", "order_q", "Hi, there: twice");
+    changed["args"]["to"] = json!("someone-else");
+    p.send(&action("evt-q2", changed)).await;
+    outcomes.answer("evt-q2", "rejected").await;
+    let conflict = outcomes
+        .all()
+        .into_iter()
+        .find(|c| c.json()["data"]["action_event_id"] == "evt-q2")
+        .unwrap();
+    let body = conflict.json();
+    assert_eq!(body["data"]["error"]["code"], "key_conflict", "{body}");
+    let sent = String::from_utf8(conflict.payload.clone()).unwrap();
+    assert_eq!(
+        sent.len(),
+        serde_json::to_string(&body).unwrap().len(),
+        "no space between tokens: {sent}"
+    );
+    for (header, attribute) in [
+        ("ce_id", "id"),
+        ("ce_type", "type"),
+        ("ce_source", "source"),
+        ("ce_subject", "subject"),
+        ("ce_specversion", "specversion"),
+    ] {
+        assert!(body[attribute].is_string(), "{attribute}");
+        assert_eq!(
+            conflict.headers.get(header).map(String::as_str),
+            body[attribute].as_str(),
+            "{header}"
+        );
+    }
+    relay.stop().await;
+}
+
 /// Two relays on one schema, one reading the queue every few milliseconds: the rows the other
 /// hands to its publisher are there for both, and each outcome still goes out once.
 #[tokio::test]

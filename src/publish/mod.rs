@@ -409,8 +409,6 @@ impl Publisher {
     }
 }
 
-/// An outcome event's headers: structured content (content-type says so), its trace context,
-/// and its CloudEvents attributes, so a router can filter on them without parsing the body.
 /// The CloudEvents attributes an outcome's headers repeat, read from its JSON without the rest
 /// of it (`data` is skipped, not built).
 #[derive(serde::Deserialize, Default)]
@@ -427,6 +425,8 @@ struct Attributes<'a> {
     specversion: Option<std::borrow::Cow<'a, str>>,
 }
 
+/// An outcome event's headers: structured content (content-type says so), its trace context,
+/// and its CloudEvents attributes, so a router can filter on them without parsing the body.
 fn outcome_headers(payload: &str, traceparent: Option<&str>) -> OwnedHeaders {
     let mut headers = OwnedHeaders::new().insert(Header {
         key: "content-type",

@@ -113,8 +113,9 @@ pub struct OutboxRow {
     pub live: bool,
     pub event_id: String,
     pub key: String,
-    /// The CloudEvent's JSON: as the outcome was serialized for a row handed over, as Postgres
-    /// writes the stored `jsonb` for a row read from the queue.
+    /// The CloudEvent's JSON: as the outcome was serialized for a row handed over; for a row
+    /// read from the queue, as Postgres writes the stored `jsonb` (its own key order) made
+    /// compact again ([`compact`]).
     pub payload: String,
     pub traceparent: Option<String>,
 }
@@ -262,7 +263,7 @@ impl RoundStatements {
                 live: r.get("live"),
                 event_id: r.get("event_id"),
                 key: r.get("kafka_key"),
-                payload: r.get("payload"),
+                payload: compact(r.get("payload")),
                 traceparent: r.get("traceparent"),
             })
             .collect())
@@ -281,9 +282,69 @@ impl RoundStatements {
     }
 }
 
+/// `json` without the whitespace between its tokens, the rest unchanged. Postgres writes a
+/// `jsonb` with a space after every `:` and `,`: an outcome read back from the queue goes out
+/// no larger than it was written, as the producer's batches are sized for.
+pub(crate) fn compact(json: &str) -> String {
+    let mut out = String::with_capacity(json.len());
+    let (mut in_string, mut escaped) = (false, false);
+    for c in json.chars() {
+        if in_string {
+            if escaped {
+                escaped = false;
+            } else if c == '\\' {
+                escaped = true;
+            } else if c == '"' {
+                in_string = false;
+            }
+        } else if matches!(c, ' ' | '\t' | '\n' | '\r') {
+            continue;
+        } else if c == '"' {
+            in_string = true;
+        }
+        out.push(c);
+    }
+    out
+}
+
 pub async fn outbox_lag(
     client: &impl tokio_postgres::GenericClient,
 ) -> Result<(i64, f64), DbError> {
     let row = client.query_one(OUTBOX_LAG, &[]).await?;
     Ok((row.get(0), row.get(1)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::Value;
+
+    #[test]
+    fn compact_json_keeps_every_token_and_drops_only_the_space_between_them() {
+        use proptest::prelude::*;
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::from),
+            any::<i64>().prop_map(Value::from),
+            any::<f64>()
+                .prop_map(|f| serde_json::Number::from_f64(f).map_or(Value::Null, Value::Number)),
+            // Spaces, quotes and backslashes inside strings, and escapes of each.
+            "[ \"\\\\\t\na-z:,{}\\[\\]]*".prop_map(Value::from),
+        ];
+        let values = leaf.prop_recursive(4, 64, 8, |inner| {
+            prop_oneof![
+                prop::collection::vec(inner.clone(), 0..6).prop_map(Value::Array),
+                prop::collection::btree_map("[ \"\\\\a-z:]*", inner, 0..6)
+                    .prop_map(|m| Value::Object(m.into_iter().collect())),
+            ]
+        });
+        proptest!(|(v in values)| {
+            let spaced = serde_json::to_string_pretty(&v).unwrap();
+            prop_assert_eq!(compact(&spaced), serde_json::to_string(&v).unwrap());
+        });
+        assert_eq!(
+            compact(r#"{"a": "x, \"y\": z", "b": [1, 2]}"#),
+            r#"{"a":"x, \"y\": z","b":[1,2]}"#
+        );
+    }
 }
