@@ -51,6 +51,8 @@
 //!   batch).
 
 pub mod action;
+#[cfg(test)]
+mod arbitrary;
 pub mod config;
 pub(crate) mod consume;
 pub mod db;

@@ -1149,11 +1149,7 @@ async fn an_outcome_read_back_from_the_queue_goes_out_compact_with_its_headers()
     changed["args"]["to"] = json!("someone-else");
     p.send(&action("evt-q2", changed)).await;
     outcomes.answer("evt-q2", "rejected").await;
-    let conflict = outcomes
-        .all()
-        .into_iter()
-        .find(|c| c.json()["data"]["action_event_id"] == "evt-q2")
-        .unwrap();
+    let conflict = answering(&outcomes, "evt-q2");
     let body = conflict.json();
     assert_eq!(body["data"]["error"]["code"], "key_conflict", "{body}");
     let sent = String::from_utf8(conflict.payload.clone()).unwrap();
@@ -1162,6 +1158,22 @@ async fn an_outcome_read_back_from_the_queue_goes_out_compact_with_its_headers()
         serde_json::to_string(&body).unwrap().len(),
         "no space between tokens: {sent}"
     );
+    headers_repeat_the_attributes(&conflict);
+    relay.stop().await;
+}
+
+/// The outcome collected that answers `action_event_id`.
+fn answering(outcomes: &common::Collector, action_event_id: &str) -> common::Collected {
+    outcomes
+        .all()
+        .into_iter()
+        .find(|c| c.json()["data"]["action_event_id"] == action_event_id)
+        .unwrap_or_else(|| panic!("no outcome answers {action_event_id}"))
+}
+
+/// An outcome's `ce_*` headers are its CloudEvents attributes, each present.
+fn headers_repeat_the_attributes(outcome: &common::Collected) {
+    let body = outcome.json();
     for (header, attribute) in [
         ("ce_id", "id"),
         ("ce_type", "type"),
@@ -1169,14 +1181,13 @@ async fn an_outcome_read_back_from_the_queue_goes_out_compact_with_its_headers()
         ("ce_subject", "subject"),
         ("ce_specversion", "specversion"),
     ] {
-        assert!(body[attribute].is_string(), "{attribute}");
+        assert!(body[attribute].is_string(), "{attribute}: {body}");
         assert_eq!(
-            conflict.headers.get(header).map(String::as_str),
+            outcome.headers.get(header).map(String::as_str),
             body[attribute].as_str(),
             "{header}"
         );
     }
-    relay.stop().await;
 }
 
 /// Two relays on one schema, one reading the queue every few milliseconds: the rows the other
@@ -1903,24 +1914,8 @@ async fn framed_and_header_carrying_actions_are_read_and_outcomes_carry_ce_heade
 
     let e = common::explain(&env, "run_sr:send_email:order_sr").await;
     assert_eq!(e["deliveries"][0]["schema_id"], 7, "{e:#}");
-    let answer = outcomes
-        .all()
-        .into_iter()
-        .find(|c| c.json()["data"]["action_event_id"] == "evt-framed")
-        .unwrap();
-    let body = answer.json();
-    for (header, attribute) in [
-        ("ce_id", "id"),
-        ("ce_type", "type"),
-        ("ce_source", "source"),
-        ("ce_subject", "subject"),
-    ] {
-        assert_eq!(
-            answer.headers.get(header).map(String::as_str),
-            body[attribute].as_str(),
-            "{header}"
-        );
-    }
+    let answer = answering(&outcomes, "evt-framed");
+    headers_repeat_the_attributes(&answer);
     assert_eq!(
         answer.headers.get("content-type").map(String::as_str),
         Some("application/cloudevents+json")

@@ -305,24 +305,7 @@ executor = { kind = "http", url = "http://127.0.0.1:1/x" }
     #[test]
     fn the_canonical_writer_writes_what_the_canonical_copy_serializes() {
         use proptest::prelude::*;
-        let leaf = prop_oneof![
-            Just(Value::Null),
-            any::<bool>().prop_map(Value::from),
-            any::<i64>().prop_map(Value::from),
-            any::<u64>().prop_map(Value::from),
-            any::<f64>()
-                .prop_map(|f| serde_json::Number::from_f64(f).map_or(Value::Null, Value::Number)),
-            (-1_000_000i64..1_000_000).prop_map(|i| json!(i as f64)),
-            ".*".prop_map(Value::from),
-        ];
-        let values = leaf.prop_recursive(4, 64, 8, |inner| {
-            prop_oneof![
-                prop::collection::vec(inner.clone(), 0..8).prop_map(Value::Array),
-                prop::collection::btree_map(".*", inner, 0..8)
-                    .prop_map(|m| Value::Object(m.into_iter().collect())),
-            ]
-        });
-        proptest!(|(v in values)| {
+        proptest!(|(v in crate::arbitrary::json(".*"))| {
             let mut written = Vec::new();
             write_canonical(&v, &mut written);
             prop_assert_eq!(written, serde_json::to_vec(&canonical(&v)).unwrap());

@@ -357,21 +357,7 @@ mod tests {
     #[test]
     fn an_outcome_is_written_as_it_was_when_built_as_a_value() {
         use proptest::prelude::*;
-        let leaf = prop_oneof![
-            Just(Value::Null),
-            any::<bool>().prop_map(Value::from),
-            any::<i64>().prop_map(Value::from),
-            any::<f64>()
-                .prop_map(|f| serde_json::Number::from_f64(f).map_or(Value::Null, Value::Number)),
-            ".*".prop_map(Value::from),
-        ];
-        let results = leaf.prop_recursive(3, 32, 6, |inner| {
-            prop_oneof![
-                prop::collection::vec(inner.clone(), 0..6).prop_map(Value::Array),
-                prop::collection::btree_map(".*", inner, 0..6)
-                    .prop_map(|m| Value::Object(m.into_iter().collect())),
-            ]
-        });
+        let results = crate::arbitrary::json(".*");
         let errors = prop::option::of((
             ".*",
             prop::option::of(prop::collection::vec(".*", 0..3)),

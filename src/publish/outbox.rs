@@ -317,27 +317,12 @@ pub async fn outbox_lag(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use serde_json::Value;
 
     #[test]
     fn compact_json_keeps_every_token_and_drops_only_the_space_between_them() {
         use proptest::prelude::*;
-        let leaf = prop_oneof![
-            Just(Value::Null),
-            any::<bool>().prop_map(Value::from),
-            any::<i64>().prop_map(Value::from),
-            any::<f64>()
-                .prop_map(|f| serde_json::Number::from_f64(f).map_or(Value::Null, Value::Number)),
-            // Spaces, quotes and backslashes inside strings, and escapes of each.
-            "[ \"\\\\\t\na-z:,{}\\[\\]]*".prop_map(Value::from),
-        ];
-        let values = leaf.prop_recursive(4, 64, 8, |inner| {
-            prop_oneof![
-                prop::collection::vec(inner.clone(), 0..6).prop_map(Value::Array),
-                prop::collection::btree_map("[ \"\\\\a-z:]*", inner, 0..6)
-                    .prop_map(|m| Value::Object(m.into_iter().collect())),
-            ]
-        });
+        // Spaces, quotes, backslashes and the structural characters inside strings and keys.
+        let values = crate::arbitrary::json("[ \"\\\\\t\na-z:,{}\\[\\]]*");
         proptest!(|(v in values)| {
             let spaced = serde_json::to_string_pretty(&v).unwrap();
             prop_assert_eq!(compact(&spaced), serde_json::to_string(&v).unwrap());
