@@ -305,6 +305,7 @@ impl Tasks {
             pool,
             executor: executor.clone(),
             metrics,
+            known: crate::intent::KnownKeys::default(),
         };
         let consume = tokio::spawn(consume.run(shutdown));
         let prune = tokio::spawn(prune_loop(maintenance, config, stop_background.clone()));

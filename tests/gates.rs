@@ -487,6 +487,77 @@ async fn resumed_while_pruned(tools: &str, data: serde_json::Value) {
     relay.stop().await;
 }
 
+/// A relay remembers the keys it recorded, and reads a repeat of one as stored without offering
+/// it to the intent insert first. The key is pruned while the relay runs and still remembers it:
+/// the repeat finds nothing stored. It must not stall the batch (an error retried for ever) nor
+/// be answered from memory: it is recorded again the usual way, which finds the tombstone.
+#[tokio::test]
+async fn a_key_pruned_while_the_relay_remembers_it_is_refused_when_resumed() {
+    let env = Env::new().await;
+    let tools = LIMITED.replace("max_per_run = 3\nmax_reattempts = 2\n", "");
+    let outcomes = env.outcomes().await;
+    let config = env.config(&tools, "").await;
+    let relay = env.start(config.clone()).await;
+    let p = env.producer();
+    let sms = |id: &str| {
+        action(
+            id,
+            json!({"run_id": "r9", "tool": "send_sms", "args": {"to": "x", "text": "later"}}),
+        )
+    };
+    let key = "r9:send_sms:later";
+    p.send(&sms("first")).await;
+    outcomes.answer("first", "succeeded").await;
+    // A repeat while the key is stored: the relay has seen it recorded, twice now.
+    let again = outcomes_of(&p, &outcomes, &sms("again")).await;
+    assert_eq!(again["data"]["duplicate"], true, "{again}");
+
+    let pg = env.pg().await;
+    pg.execute(
+        "update intents set finished_at = now() - interval '8 days' where idempotency_key = $1",
+        &[&key],
+    )
+    .await
+    .unwrap();
+    common::outbox_drained(&pg, "the outcomes published").await;
+    let pruned = idem::gates::prune(&pool(&env).await, &config, &Default::default())
+        .await
+        .unwrap();
+    assert_eq!(pruned, 1);
+
+    let resumed = outcomes_of(&p, &outcomes, &sms("resumed")).await;
+    assert_eq!(resumed["data"]["status"], "rejected", "{resumed}");
+    assert_eq!(
+        resumed["data"]["error"]["code"], "stale_resume",
+        "{resumed}"
+    );
+    // The relay goes on: a new key after it is recorded and done.
+    p.send(&action(
+        "next",
+        json!({"run_id": "r9", "tool": "send_sms", "args": {"to": "x", "text": "next"}}),
+    ))
+    .await;
+    outcomes.answer("next", "succeeded").await;
+    assert_eq!(env.downstream.effects(key), 1);
+    relay.stop().await;
+}
+
+/// Sends `event` and returns its outcome, whatever its status.
+async fn outcomes_of(
+    p: &common::Producer,
+    outcomes: &common::Collector,
+    event: &serde_json::Value,
+) -> serde_json::Value {
+    let id = event["id"].as_str().unwrap().to_string();
+    p.send(event).await;
+    outcomes
+        .answer_all(std::slice::from_ref(&id), Duration::from_secs(30))
+        .await
+        .into_iter()
+        .find(|o| o["data"]["action_event_id"] == id.as_str())
+        .unwrap()
+}
+
 #[tokio::test]
 async fn admin_actions_need_the_token() {
     let env = Env::new().await;

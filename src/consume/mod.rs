@@ -48,6 +48,8 @@ pub struct Consume {
     pub pool: Pool,
     pub executor: Arc<Executor>,
     pub metrics: Arc<Metrics>,
+    /// Keys recorded, as far as this relay has seen: their repeats skip the intent insert.
+    pub known: crate::intent::KnownKeys,
 }
 
 impl Consume {
@@ -356,7 +358,8 @@ impl Consume {
         // record_batch opens and commits its own transaction; until it has committed, the
         // connection goes back to the pool only once rolled back.
         let open = crate::db::OpenTransaction::new(self.pool.get().await?);
-        let recorded = crate::intent::record_batch(open.client(), items, channel, claimant).await;
+        let recorded =
+            crate::intent::record_batch(open.client(), items, channel, claimant, &self.known).await;
         open.close(recorded).await
     }
 

@@ -14,11 +14,13 @@ use crate::execute::claim::Claimed;
 use crate::gates::Gates;
 
 pub(crate) mod classify;
+mod known;
 pub(crate) mod record;
 pub(crate) mod sql;
 mod status;
 
 pub use classify::Origin;
+pub use known::KnownKeys;
 pub use record::record_batch;
 pub use status::IntentStatus;
 
@@ -106,6 +108,15 @@ impl KeyedAction {
         }
     }
 
+    /// Whether a repeat of a key this relay knows is recorded may skip the intent insert (see
+    /// [`KnownKeys`]): not for a read-only tool, whose key is not unique, nor for one whose
+    /// reattempt gate reads failed intents before the insert (it refuses what it finds over
+    /// the limit, a repeat included).
+    fn may_skip_insert(&self) -> bool {
+        self.class != ToolClass::ReadOnly
+            && !(self.gates.max_reattempts.is_some() && self.event.data.business_id.is_some())
+    }
+
     /// Recorded parked, waiting for a person's approval.
     fn parked_at_record(&self) -> bool {
         self.gates.approval && self.class != ToolClass::ReadOnly
@@ -167,4 +178,6 @@ pub struct BatchResult {
     pub direct: Vec<crate::outcome::Outcome>,
     /// (tool, error code) of the actions a gate refused.
     pub rejections: Vec<(String, &'static str)>,
+    /// Keys the transaction recorded or found recorded, remembered once it has committed.
+    recorded_keys: Vec<String>,
 }

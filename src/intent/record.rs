@@ -16,7 +16,9 @@ use crate::intent::sql::{
     OPEN_FIRST_CALLS, REJECT_NEW, SELECT_KEYS_FOR_SHARE, SELECT_SEEN_EVENTS, TOMBSTONED,
 };
 use crate::intent::Origin;
-use crate::intent::{BatchResult, Claimant, Incoming, IntentStatus, KeyedAction, Position};
+use crate::intent::{
+    BatchResult, Claimant, Incoming, IntentStatus, KeyedAction, KnownKeys, Position,
+};
 use crate::outcome::answer::{self, KeyState};
 use crate::outcome::{ErrorCode, Outcome, OutcomeError, OutcomeStatus};
 use crate::publish::outbox::{insert_outbox_prepared, INSERT_OUTBOX_SQL};
@@ -219,19 +221,47 @@ async fn insert_intents(
 /// object's. On an error the transaction may still be open or aborted: the caller rolls it back
 /// (or discards the connection). Only after it commits may the consumer store these messages'
 /// offsets.
+///
+/// A repeat of a key in `known` is read as stored without first being offered to the intent
+/// insert. When that read finds the key gone (pruned since it was remembered), it is forgotten
+/// and the batch recorded again from the start, with one key fewer to lose this way.
 pub async fn record_batch(
     tx: &impl GenericClient,
     items: &[Incoming],
     channel: &str,
     claimant: Claimant<'_>,
+    known: &KnownKeys,
 ) -> Result<BatchResult, DbError> {
-    if let Some(recorded) = record_speculating(tx, items, channel, claimant).await? {
+    loop {
+        match record_with(tx, items, channel, claimant, known).await {
+            Ok(mut recorded) => {
+                known.remember(std::mem::take(&mut recorded.recorded_keys));
+                return Ok(recorded);
+            }
+            Err(DbError::Vanished(key)) if known.contains(&key) => {
+                tracing::debug!(%key, "a known key is gone (pruned): recorded again");
+                tx.batch_execute("rollback").await?;
+                known.forget(&key);
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+async fn record_with(
+    tx: &impl GenericClient,
+    items: &[Incoming],
+    channel: &str,
+    claimant: Claimant<'_>,
+    known: &KnownKeys,
+) -> Result<BatchResult, DbError> {
+    if let Some(recorded) = record_speculating(tx, items, channel, claimant, known).await? {
         return Ok(recorded);
     }
     // Again only when a key of the batch was pruned while it was recorded (`insert_intents`):
     // the next reading sees that tombstone, so each round has one fewer key to lose this way.
     loop {
-        if let Some(recorded) = record_reading_first(tx, items, channel, claimant).await? {
+        if let Some(recorded) = record_reading_first(tx, items, channel, claimant, known).await? {
             return Ok(recorded);
         }
     }
@@ -244,6 +274,7 @@ async fn record_reading_first(
     items: &[Incoming],
     channel: &str,
     claimant: Claimant<'_>,
+    known: &KnownKeys,
 ) -> Result<Option<BatchResult>, DbError> {
     let mut rec = Recording::default();
     // 1. Which records and event ids were seen before: redeliveries and producer retries. The
@@ -251,7 +282,7 @@ async fn record_reading_first(
     // committed), so they need not wait for the `begin`; every write comes after both.
     let seen = crate::db::begin_with(tx, seen_before(tx, items, true)).await?;
     let arrivals = classify::arrivals(items, &seen.records, seen.events);
-    let (mut to_insert, mut pending, again) = rec.sort(items, arrivals, &seen.direct);
+    let (mut to_insert, mut pending, again) = rec.sort(items, arrivals, &seen.direct, known);
     // 2. Gates that refuse a new key before it is recorded.
     let refused = refuse_before_record(tx, &mut rec, &mut to_insert, &seen.stale).await?;
     // 3. and 4. New intents, and the per-run limits counted with them.
@@ -283,35 +314,40 @@ async fn record_reading_first(
 /// the reads' answers in between. When a read did find something (a redelivery, a producer
 /// retry, a pruned key), the insert was built on a wrong premise: the transaction is rolled
 /// back and `None` returned, for the longer path. Batches whose gates read the database before
-/// the insert (failed reattempts) are not speculated on (`None` at once).
+/// the insert (failed reattempts) are not speculated on (`None` at once). A batch of known keys
+/// only has nothing to insert: the read of seen events goes out alone behind the `begin`.
 async fn record_speculating(
     tx: &impl GenericClient,
     items: &[Incoming],
     channel: &str,
     claimant: Claimant<'_>,
+    known: &KnownKeys,
 ) -> Result<Option<BatchResult>, DbError> {
     let mut rec = Recording::default();
     let arrivals = classify::arrivals(items, &HashSet::new(), HashSet::new());
-    let (mut to_insert, mut pending, again) = rec.sort(items, arrivals, &HashSet::new());
+    let (mut to_insert, mut pending, again) = rec.sort(items, arrivals, &HashSet::new(), known);
     let reads_before_insert = to_insert
         .iter()
         .any(|a| a.gates.max_reattempts.is_some() && a.event.data.business_id.is_some());
-    if to_insert.is_empty() || reads_before_insert {
+    if (to_insert.is_empty() && pending.is_empty()) || reads_before_insert {
         return Ok(None);
     }
     // Pure with no tombstone and no failed reattempt: no read.
     let refused = refuse_before_record(tx, &mut rec, &mut to_insert, &HashSet::new()).await?;
-    if to_insert.is_empty() {
+    if to_insert.is_empty() && pending.is_empty() {
         return Ok(None);
     }
     let limited = limited(&to_insert);
+    let insert = async {
+        if to_insert.is_empty() {
+            return Ok((HashMap::new(), HashSet::new()));
+        }
+        insert_intents(tx, &to_insert, claimant, limited).await
+    };
     // The tombstones are read behind the insert only (`insert_intents`), which sees those it
     // would have seen before it too.
     let (seen, (by_event, pruned)) = crate::db::begin_with(tx, async {
-        futures::try_join!(
-            seen_before(tx, items, false),
-            insert_intents(tx, &to_insert, claimant, limited)
-        )
+        futures::try_join!(seen_before(tx, items, false), insert)
     })
     .await?;
     if !(seen.records.is_empty() && seen.events.is_empty() && pruned.is_empty()) {
@@ -328,7 +364,9 @@ async fn record_speculating(
         again.is_empty(),
         "no record is read again when none was seen"
     );
-    record_new(tx, &mut rec, &to_insert, by_event, claimant, &mut pending).await?;
+    if !to_insert.is_empty() {
+        record_new(tx, &mut rec, &to_insert, by_event, claimant, &mut pending).await?;
+    }
     if !pending.is_empty() {
         answer_repeats(tx, &mut rec, pending, again, &refused).await?;
     }
@@ -405,12 +443,14 @@ impl Recording {
     }
 
     /// Logs redeliveries and rejected input (answering the rejected input that can be
-    /// answered), and sorts the actions left into candidates and repeats.
+    /// answered), and sorts the actions left into candidates and repeats: a candidate whose key
+    /// is `known` is a repeat already.
     fn sort<'a>(
         &mut self,
         items: &'a [Incoming],
         arrivals: Vec<Arrival>,
         direct: &HashSet<RecordId>,
+        known: &KnownKeys,
     ) -> Sorted<'a> {
         let mut to_insert = Vec::new();
         let mut pending = Vec::new();
@@ -429,6 +469,10 @@ impl Recording {
                     Arrival::ProducerRetry => pending.push((&**a, Origin::ProducerRetry)),
                     // Classified against the stored row, like any later repeat.
                     Arrival::SameKey => pending.push((&**a, Origin::Replay)),
+                    // What the insert's conflict would have found.
+                    _ if a.may_skip_insert() && known.contains(&a.key) => {
+                        pending.push((&**a, Origin::Replay))
+                    }
                     // A candidate (the only other verdict an action gets).
                     _ => to_insert.push(&**a),
                 },
@@ -669,6 +713,9 @@ async fn record_new<'a>(
         match by_event.get(&a.event.id) {
             Some(id) => {
                 rec.first_delivered(*id, a);
+                if a.class != ToolClass::ReadOnly {
+                    rec.result.recorded_keys.push(a.key.clone());
+                }
                 recorded.push((a, *id));
             }
             None => pending.push((a, Origin::Replay)),
@@ -756,6 +803,7 @@ async fn answer_repeats(
         if row.get::<_, bool>("unpublished") {
             unpublished.insert(stored.state.key.clone());
         }
+        rec.result.recorded_keys.push(stored.state.key.clone());
         existing.insert(stored.state.key.clone(), stored);
     }
     for a in again {
