@@ -5,6 +5,7 @@ use serde_json::Value;
 
 pub const OUTCOME_TYPE: &str = "dev.idem.outcome.v1";
 pub const OUTCOME_SOURCE: &str = "idem";
+pub const OUTCOME_SPECVERSION: &str = "1.0";
 /// Makes a downstream's answer storable: NUL characters dropped, and a body larger than
 /// `max_bytes` replaced by a note of its size (outcome events must stay publishable).
 pub fn storable_result(v: Value, max_bytes: usize) -> Value {
@@ -282,7 +283,7 @@ impl Outcome {
             datacontenttype: "application/json",
             id: &event_id,
             source: OUTCOME_SOURCE,
-            specversion: "1.0",
+            specversion: OUTCOME_SPECVERSION,
             subject: &key,
             time: time.to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
             traceparent: traceparent.as_deref(),

@@ -7,6 +7,6 @@ pub(crate) mod finish;
 pub(crate) use answer::KeyState;
 pub use event::{
     outcome_id, storable_result, too_large, ErrorCode, Outcome, OutcomeData, OutcomeError,
-    OutcomeStatus, OUTCOME_SOURCE, OUTCOME_TYPE,
+    OutcomeStatus, OUTCOME_SOURCE, OUTCOME_SPECVERSION, OUTCOME_TYPE,
 };
 pub(crate) use finish::{finish, finish_parked, Finish, FinishError, Guard, Settled};

@@ -236,7 +236,11 @@ impl Publisher {
             let record = FutureRecord::to(topic)
                 .key(&row.key)
                 .payload(&row.payload)
-                .headers(outcome_headers(&row.payload, row.traceparent.as_deref()));
+                .headers(outcome_headers(
+                    &row.payload,
+                    row.traceparent.as_deref(),
+                    row.written_here.then_some((&row.event_id, &row.key)),
+                ));
             // send_result only enqueues; the acknowledgements are awaited together below.
             match producer.send_result(record) {
                 Ok(delivery) => pending.push((row, delivery)),
@@ -427,7 +431,18 @@ struct Attributes<'a> {
 
 /// An outcome event's headers: structured content (content-type says so), its trace context,
 /// and its CloudEvents attributes, so a router can filter on them without parsing the body.
-fn outcome_headers(payload: &str, traceparent: Option<&str>) -> OwnedHeaders {
+///
+/// `written`: the id and subject of an outcome this process wrote ([`Outcome::new`]), whose
+/// other attributes are idem's own, so nothing needs reading back. Otherwise (a row read from
+/// the queue) the attributes are read from `payload`: reading them skips `data` but still has
+/// to scan it, which cost 8 % of the relay's CPU at 95 % duplicates.
+///
+/// [`Outcome::new`]: crate::outcome::Outcome::new
+fn outcome_headers(
+    payload: &str,
+    traceparent: Option<&str>,
+    written: Option<(&str, &str)>,
+) -> OwnedHeaders {
     let mut headers = OwnedHeaders::new().insert(Header {
         key: "content-type",
         value: Some(STRUCTURED_CONTENT_TYPE),
@@ -439,7 +454,16 @@ fn outcome_headers(payload: &str, traceparent: Option<&str>) -> OwnedHeaders {
         });
     }
     // A row that is not an object of string attributes (written by hand) goes out without them.
-    let attributes: Attributes = serde_json::from_str(payload).unwrap_or_default();
+    let attributes: Attributes = match written {
+        Some((id, subject)) => Attributes {
+            id: Some(id.into()),
+            kind: Some(crate::outcome::OUTCOME_TYPE.into()),
+            source: Some(crate::outcome::OUTCOME_SOURCE.into()),
+            subject: Some(subject.into()),
+            specversion: Some(crate::outcome::OUTCOME_SPECVERSION.into()),
+        },
+        None => serde_json::from_str(payload).unwrap_or_default(),
+    };
     for (key, attribute) in [
         ("ce_id", &attributes.id),
         ("ce_type", &attributes.kind),
@@ -478,6 +502,7 @@ pub fn send_direct(
             .headers(outcome_headers(
                 &answer.payload,
                 answer.traceparent.as_deref(),
+                Some((&answer.event_id, &answer.key)),
             ));
         match p.send_result(record) {
             Ok(delivery) => sends.pending.push((answer, delivery)),
@@ -627,4 +652,53 @@ fn refused_for_good(e: &rdkafka::error::KafkaError) -> bool {
                 | Code::MessageBatchTooLarge
         )
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::outcome::answer::{self, KeyState};
+    use crate::outcome::OutcomeStatus;
+    use rdkafka::message::Headers;
+
+    fn pairs(headers: &OwnedHeaders) -> Vec<(String, Vec<u8>)> {
+        headers
+            .iter()
+            .map(|h| (h.key.to_string(), h.value.unwrap_or_default().to_vec()))
+            .collect()
+    }
+
+    #[test]
+    fn an_outcome_written_here_gets_the_headers_its_json_gives() {
+        let state = KeyState {
+            key: "r1:send_email:b\"1\"".into(),
+            run_id: "r1".into(),
+            step: Some(2),
+            tool: "send_email".into(),
+            status: OutcomeStatus::Succeeded,
+            result: Some(serde_json::json!({"id": "m-1", "text": "a \"quoted\" é\n"})),
+            error: None,
+            attempts: 1,
+            first_event_id: "e1".into(),
+            at: chrono::Utc::now(),
+        };
+        let traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
+        let outcomes = [
+            answer::status_change(&state, 1, None),
+            answer::duplicate(&state, "e2", Some(traceparent.into())),
+            answer::conflict(&state, "e3", Some(3), vec!["args.to".into()], None),
+        ];
+        for o in &outcomes {
+            let tp = o.traceparent.as_deref();
+            let read = pairs(&outcome_headers(&o.payload, tp, None));
+            let written = pairs(&outcome_headers(
+                &o.payload,
+                tp,
+                Some((&o.event_id, &o.key)),
+            ));
+            assert_eq!(written, read, "{}", o.payload);
+            // content-type, the trace context when there is one, and five attributes.
+            assert_eq!(read.len(), 6 + usize::from(tp.is_some()), "{read:?}");
+        }
+    }
 }

@@ -101,6 +101,7 @@ pub(crate) fn written_rows(outcomes: Vec<Outcome>, written: Vec<(i64, String)>) 
                 key: o.key,
                 payload: o.payload,
                 traceparent: o.traceparent,
+                written_here: true,
             })
         })
         .collect()
@@ -118,6 +119,10 @@ pub struct OutboxRow {
     /// compact again ([`compact`]).
     pub payload: String,
     pub traceparent: Option<String>,
+    /// Handed over from the [`Outcome`] it was written from, so its CloudEvents id and subject
+    /// are `event_id` and `key` (and the other attributes idem's own); a row read from the
+    /// queue may have been written by hand, and its headers are read from its JSON.
+    pub written_here: bool,
 }
 
 // The oldest queued rows (schema migration 9), locked; a queued row whose outbox row is already
@@ -265,6 +270,7 @@ impl RoundStatements {
                 key: r.get("kafka_key"),
                 payload: compact(r.get("payload")),
                 traceparent: r.get("traceparent"),
+                written_here: false,
             })
             .collect())
     }
