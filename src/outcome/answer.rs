@@ -23,8 +23,11 @@ pub struct KeyState {
     pub at: DateTime<Utc>,
 }
 
+/// `t` as `HH:MM:SS UTC` (what `%H:%M:%S UTC` formats, without parsing that format for every
+/// answer).
 fn clock(t: DateTime<Utc>) -> String {
-    t.format("%H:%M:%S UTC").to_string()
+    use chrono::Timelike;
+    format!("{:02}:{:02}:{:02} UTC", t.hour(), t.minute(), t.second())
 }
 
 /// A short reference to the first result for the note: the downstream's id when it gave one.
@@ -224,6 +227,28 @@ pub fn rejected_input(
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn the_clock_reads_as_the_strftime_format_did() {
+        for secs in [
+            0,
+            1,
+            59,
+            61,
+            3_599,
+            3_600,
+            43_261,
+            86_399,
+            86_400,
+            1_764_892_800,
+            1_780_000_321,
+        ] {
+            for nanos in [0, 999_999_999] {
+                let t = DateTime::from_timestamp(secs, nanos).unwrap();
+                assert_eq!(clock(t), t.format("%H:%M:%S UTC").to_string(), "{t}");
+            }
+        }
+    }
 
     fn state(status: OutcomeStatus) -> KeyState {
         KeyState {
