@@ -233,7 +233,22 @@ pub async fn record_batch(
     known: &KnownKeys,
 ) -> Result<BatchResult, DbError> {
     loop {
-        match record_with(tx, items, channel, claimant, known).await {
+        let recorded = async {
+            if let Some(recorded) = record_speculating(tx, items, channel, claimant, known).await? {
+                return Ok(recorded);
+            }
+            // Again only when a key of the batch was pruned while it was recorded
+            // (`insert_intents`): the next reading sees that tombstone, so each round has one
+            // fewer key to lose this way.
+            loop {
+                if let Some(recorded) =
+                    record_reading_first(tx, items, channel, claimant, known).await?
+                {
+                    return Ok(recorded);
+                }
+            }
+        };
+        match recorded.await {
             Ok(mut recorded) => {
                 known.remember(std::mem::take(&mut recorded.recorded_keys));
                 return Ok(recorded);
@@ -244,25 +259,6 @@ pub async fn record_batch(
                 known.forget(&key);
             }
             Err(e) => return Err(e),
-        }
-    }
-}
-
-async fn record_with(
-    tx: &impl GenericClient,
-    items: &[Incoming],
-    channel: &str,
-    claimant: Claimant<'_>,
-    known: &KnownKeys,
-) -> Result<BatchResult, DbError> {
-    if let Some(recorded) = record_speculating(tx, items, channel, claimant, known).await? {
-        return Ok(recorded);
-    }
-    // Again only when a key of the batch was pruned while it was recorded (`insert_intents`):
-    // the next reading sees that tombstone, so each round has one fewer key to lose this way.
-    loop {
-        if let Some(recorded) = record_reading_first(tx, items, channel, claimant, known).await? {
-            return Ok(recorded);
         }
     }
 }
