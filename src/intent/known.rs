@@ -3,8 +3,9 @@
 //! what the hint says, after the whole row was sent and parsed).
 //!
 //! A hint is never trusted for an answer: the repeat is still classified against the row the
-//! read finds, under the same lock. A key the read does not find (pruned past retention since
-//! it was remembered) is forgotten and its batch recorded again without the hint.
+//! read finds, under the same lock. When the read does not find a key (pruned past retention
+//! since it was remembered), the batch's keys are forgotten and it is recorded again without
+//! the hint.
 
 use std::collections::HashSet;
 use std::sync::Mutex;
@@ -31,9 +32,10 @@ impl Generations {
     }
 }
 
-/// Keys remembered per generation by default: about 5 MiB for two generations of 40-byte keys,
-/// and seconds to minutes of a busy relay's new keys, which is when repeats come (a client's
-/// retry, an orchestrator's, a resumed run).
+/// Keys remembered per generation by default: about 6 MiB for two generations of 40-byte keys
+/// (at most about 20 MiB, keys being at most 255 bytes), and seconds to minutes of a busy
+/// relay's new keys, which is when repeats come (a client's retry, an orchestrator's, a resumed
+/// run).
 pub const PER_GENERATION: usize = 32_768;
 
 impl Default for KnownKeys {

@@ -223,8 +223,9 @@ async fn insert_intents(
 /// offsets.
 ///
 /// A repeat of a key in `known` is read as stored without first being offered to the intent
-/// insert. When that read finds the key gone (pruned since it was remembered), it is forgotten
-/// and the batch recorded again from the start, with one key fewer to lose this way.
+/// insert. When that read finds the key gone (pruned since it was remembered), the batch's keys
+/// are forgotten and the batch recorded again from the start, the usual way: one round more, at
+/// most.
 pub async fn record_batch(
     tx: &impl GenericClient,
     items: &[Incoming],
@@ -256,7 +257,14 @@ pub async fn record_batch(
             Err(DbError::Vanished(key)) if known.contains(&key) => {
                 tracing::debug!(%key, "a known key is gone (pruned): recorded again");
                 tx.batch_execute("rollback").await?;
-                known.forget(&key);
+                // Every key of the batch, not only the one found gone: a run resumed past
+                // retention may send many, and each would cost a round. Those still stored are
+                // found again through the insert and remembered once more.
+                for item in items {
+                    if let Incoming::Action(a) = item {
+                        known.forget(&a.key);
+                    }
+                }
             }
             Err(e) => return Err(e),
         }
