@@ -472,12 +472,7 @@ async fn resumed_while_pruned(tools: &str, data: serde_json::Value) {
     .await;
     pruning.commit().await.unwrap();
 
-    let resumed = outcomes
-        .answer_all(&["resumed".to_string()], Duration::from_secs(30))
-        .await
-        .into_iter()
-        .find(|o| o["data"]["action_event_id"] == "resumed")
-        .unwrap();
+    let resumed = outcomes.answer_to("resumed", Duration::from_secs(30)).await;
     assert_eq!(resumed["data"]["status"], "rejected", "{resumed}");
     assert_eq!(
         resumed["data"]["error"]["code"], "stale_resume",
@@ -509,7 +504,8 @@ async fn a_key_pruned_while_the_relay_remembers_it_is_refused_when_resumed() {
     p.send(&sms("first")).await;
     outcomes.answer("first", "succeeded").await;
     // A repeat while the key is stored: the relay has seen it recorded, twice now.
-    let again = outcomes_of(&p, &outcomes, &sms("again")).await;
+    p.send(&sms("again")).await;
+    let again = outcomes.answer_to("again", Duration::from_secs(30)).await;
     assert_eq!(again["data"]["duplicate"], true, "{again}");
 
     let pg = env.pg().await;
@@ -525,7 +521,8 @@ async fn a_key_pruned_while_the_relay_remembers_it_is_refused_when_resumed() {
         .unwrap();
     assert_eq!(pruned, 1);
 
-    let resumed = outcomes_of(&p, &outcomes, &sms("resumed")).await;
+    p.send(&sms("resumed")).await;
+    let resumed = outcomes.answer_to("resumed", Duration::from_secs(30)).await;
     assert_eq!(resumed["data"]["status"], "rejected", "{resumed}");
     assert_eq!(
         resumed["data"]["error"]["code"], "stale_resume",
@@ -540,22 +537,6 @@ async fn a_key_pruned_while_the_relay_remembers_it_is_refused_when_resumed() {
     outcomes.answer("next", "succeeded").await;
     assert_eq!(env.downstream.effects(key), 1);
     relay.stop().await;
-}
-
-/// Sends `event` and returns its outcome, whatever its status.
-async fn outcomes_of(
-    p: &common::Producer,
-    outcomes: &common::Collector,
-    event: &serde_json::Value,
-) -> serde_json::Value {
-    let id = event["id"].as_str().unwrap().to_string();
-    p.send(event).await;
-    outcomes
-        .answer_all(std::slice::from_ref(&id), Duration::from_secs(30))
-        .await
-        .into_iter()
-        .find(|o| o["data"]["action_event_id"] == id.as_str())
-        .unwrap()
 }
 
 #[tokio::test]

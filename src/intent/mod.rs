@@ -108,13 +108,17 @@ impl KeyedAction {
         }
     }
 
+    /// Whether its tool's reattempt gate reads the failed intents of its business action
+    /// before the insert (it refuses what it finds over the limit, a repeat included).
+    fn reattempt_gated(&self) -> bool {
+        self.gates.max_reattempts.is_some() && self.event.data.business_id.is_some()
+    }
+
     /// Whether a repeat of a key this relay knows is recorded may skip the intent insert (see
-    /// [`KnownKeys`]): not for a read-only tool, whose key is not unique, nor for one whose
-    /// reattempt gate reads failed intents before the insert (it refuses what it finds over
-    /// the limit, a repeat included).
+    /// [`KnownKeys`]): not for a read-only tool, whose key is not unique, nor for a
+    /// [reattempt-gated](Self::reattempt_gated) one.
     fn may_skip_insert(&self) -> bool {
-        self.class != ToolClass::ReadOnly
-            && !(self.gates.max_reattempts.is_some() && self.event.data.business_id.is_some())
+        self.class != ToolClass::ReadOnly && !self.reattempt_gated()
     }
 
     /// Recorded parked, waiting for a person's approval.

@@ -330,9 +330,7 @@ async fn record_speculating(
     let mut rec = Recording::default();
     let arrivals = classify::arrivals(items, &HashSet::new(), HashSet::new());
     let (mut to_insert, mut pending, again) = rec.sort(items, arrivals, &HashSet::new(), known);
-    let reads_before_insert = to_insert
-        .iter()
-        .any(|a| a.gates.max_reattempts.is_some() && a.event.data.business_id.is_some());
+    let reads_before_insert = to_insert.iter().any(|a| a.reattempt_gated());
     if (to_insert.is_empty() && pending.is_empty()) || reads_before_insert {
         return Ok(None);
     }
@@ -653,7 +651,7 @@ async fn refuse_before_record<'a>(
     let reattempt_keys: Vec<&KeyedAction> = to_insert
         .iter()
         .copied()
-        .filter(|a| a.gates.max_reattempts.is_some() && a.event.data.business_id.is_some())
+        .filter(|a| a.reattempt_gated())
         .collect();
     let mut failed: HashMap<(String, String, String), i64> = HashMap::new();
     if !reattempt_keys.is_empty() {

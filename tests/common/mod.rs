@@ -344,6 +344,15 @@ impl Collector {
         .await
     }
 
+    /// Waits for the answer to `action_event_id`, whatever its status.
+    pub async fn answer_to(&self, action_event_id: &str, within: Duration) -> Value {
+        self.answer_all(&[action_event_id.to_string()], within)
+            .await
+            .into_iter()
+            .find(|o| o["data"]["action_event_id"] == action_event_id)
+            .expect("answer_all waited for it")
+    }
+
     /// Waits for an answer to `action_event_id` with `status`.
     pub async fn answer(&self, action_event_id: &str, status: &str) -> Value {
         let all = self
