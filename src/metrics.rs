@@ -296,16 +296,18 @@ impl Metrics {
         String::from_utf8(buf).expect("prometheus text is UTF-8")
     }
 
-    pub fn consumed(&self, origin: Origin) {
+    /// `n` messages consumed of this origin.
+    pub fn consumed(&self, origin: Origin, n: u64) {
         self.messages_consumed
             .with_label_values(&[origin.as_str()])
-            .inc();
+            .inc_by(n);
     }
 
-    pub fn duplicate(&self, tool: &str, origin: Origin) {
+    /// `n` duplicates suppressed, from the layer `origin` names.
+    pub fn duplicate(&self, tool: &str, origin: Origin, n: u64) {
         self.duplicates
             .with_label_values(&[tool, origin.as_str()])
-            .inc();
+            .inc_by(n);
     }
 
     pub fn outcome(&self, tool: &str, status: &str) {
@@ -336,12 +338,14 @@ impl Metrics {
         self.keys_parked.with_label_values(&[status]).set(n);
     }
 
-    pub fn conflict(&self, tool: &str) {
-        self.conflicts.with_label_values(&[tool]).inc();
+    /// `n` keys reused with other material parameters.
+    pub fn conflict(&self, tool: &str, n: u64) {
+        self.conflicts.with_label_values(&[tool]).inc_by(n);
     }
 
-    pub fn rejection(&self, tool: &str, code: &str) {
-        self.rejections.with_label_values(&[tool, code]).inc();
+    /// `n` actions refused with `code`.
+    pub fn rejection(&self, tool: &str, code: &str, n: u64) {
+        self.rejections.with_label_values(&[tool, code]).inc_by(n);
     }
 
     pub fn dead_letter(&self, reason: &str) {
@@ -454,7 +458,7 @@ mod tests {
             !text.contains("origin=\"first\",tool=\"t\""),
             "first sights are not duplicates"
         );
-        m.duplicate("t", Origin::Replay);
+        m.duplicate("t", Origin::Replay, 1);
         assert!(m
             .render()
             .contains("idem_duplicates_total{origin=\"replay\",tool=\"t\"} 1"));

@@ -61,18 +61,20 @@ impl Consume {
         let mut arrivals = linger::Arrivals::default();
         let mut fine = linger::FineSleep::start();
         let max = self.config.relay.batch_size;
-        // The last batch's tail (its direct answers' acknowledgements, then its offsets) runs
-        // while the next batch is read and recorded, and ends before that batch's tail begins,
-        // so offsets only move forward. Once a tail could not let its batch's offsets advance
+        // The last batch's tail (its metrics, its direct answers sent and acknowledged, then
+        // its offsets) runs while the next batch is read and recorded, and ends before that
+        // batch's tail begins, so offsets only move forward. Once a tail could not let its batch's offsets advance
         // (shutdown came first), no later tail does either.
         let mut tail: Option<Tail<'_>> = None;
         let mut advancing = true;
         loop {
+            // A message already fetched comes before the last batch's tail: that tail then runs
+            // while this batch waits for Postgres, not before it.
             let first = tokio::select! {
                 biased;
                 _ = shutdown.cancelled() => break,
-                stored = drive(&mut tail) => Err(stored),
                 m = consumer.recv() => Ok(m),
+                stored = drive(&mut tail) => Err(stored),
             };
             let first = match first {
                 Ok(m) => m,
@@ -228,25 +230,10 @@ impl Consume {
             trace_recorded(&items, started, &self.config.kafka.group_id);
         }
 
-        let direct = std::mem::take(&mut result.direct);
-        for (tool, origin) in &result.origins {
-            self.metrics.consumed(*origin);
-            match origin {
-                Origin::Redelivery
-                | Origin::ProducerRetry
-                | Origin::Replay
-                | Origin::ModelRetry => self.metrics.duplicate(tool, *origin),
-                Origin::Conflict => {
-                    self.metrics.conflict(tool);
-                    self.metrics
-                        .rejection(tool, ErrorCode::KeyConflict.as_str());
-                }
-                Origin::First | Origin::DeadLetter => {}
-            }
-        }
-        for (tool, code) in &result.rejections {
-            self.metrics.rejection(tool, code);
-        }
+        let counted = Counted {
+            origins: std::mem::take(&mut result.origins),
+            rejections: std::mem::take(&mut result.rejections),
+        };
         // Claimed ones first into the set whose leases are renewed: their queue may be long.
         self.executor.hold(result.claimed.iter().map(|c| c.id));
         for c in result.claimed {
@@ -256,16 +243,11 @@ impl Consume {
             self.executor.dispatch(*id, tool).await;
         }
 
-        // Answers sent straight to Kafka are handed to the producer now, in the order of the
-        // batches; their acknowledgements (or the outbox, for what Kafka refuses) are awaited
-        // by the tail, and only then may these offsets advance. The calls above wait for
-        // neither.
-        let sends = (!direct.is_empty()).then(|| {
-            crate::failpoint::crash_point!("before-direct-answers");
-            crate::publish::send_direct(&self.producer, &self.config.kafka.outcomes_topic, direct)
-        });
+        // Counting the batch and handing its direct answers to the producer are left to its
+        // tail, which runs while the next batch is recorded.
         Some(Unsettled {
-            sends,
+            counted,
+            direct: std::mem::take(&mut result.direct),
             positions: Positions::of(batch),
             channel,
         })
@@ -280,10 +262,17 @@ impl Consume {
         shutdown: &'a CancellationToken,
     ) -> Tail<'a> {
         Box::pin(async move {
+            rest.counted.count(&self.metrics);
             if !advancing {
                 return false;
             }
-            if let Some(sends) = rest.sends {
+            // Handed to the producer in the order of the batches (tails run one after another);
+            // their acknowledgements (or the outbox, for what Kafka refuses) are awaited before
+            // these offsets may advance.
+            if !rest.direct.is_empty() {
+                crate::failpoint::crash_point!("before-direct-answers");
+                let topic = &self.config.kafka.outcomes_topic;
+                let sends = crate::publish::send_direct(&self.producer, topic, rest.direct);
                 if !self.answered(sends, &rest.channel, shutdown).await {
                     rest.positions.rewind(&self.consumer);
                     return false;
@@ -523,9 +512,51 @@ impl Consume {
 
 /// What is left of a recorded batch: its direct answers' acknowledgements, then its offsets.
 struct Unsettled {
-    sends: Option<crate::publish::DirectSends>,
+    counted: Counted,
+    /// Answers to send straight to Kafka.
+    direct: Vec<crate::outcome::Outcome>,
     positions: Positions,
     channel: String,
+}
+
+/// What a recorded batch adds to the metrics.
+struct Counted {
+    /// (tool, origin) of each message.
+    origins: Vec<(String, Origin)>,
+    /// (tool, error code) of each action a gate refused.
+    rejections: Vec<(String, &'static str)>,
+}
+
+impl Counted {
+    /// Adds the batch to the metrics, each series once: a batch of repeats is mostly a few
+    /// (tool, origin) pairs many times over.
+    fn count(self, metrics: &Metrics) {
+        let mut origins: BTreeMap<(String, Origin), u64> = BTreeMap::new();
+        for pair in self.origins {
+            *origins.entry(pair).or_default() += 1;
+        }
+        for ((tool, origin), n) in &origins {
+            metrics.consumed(*origin, *n);
+            match origin {
+                Origin::Redelivery
+                | Origin::ProducerRetry
+                | Origin::Replay
+                | Origin::ModelRetry => metrics.duplicate(tool, *origin, *n),
+                Origin::Conflict => {
+                    metrics.conflict(tool, *n);
+                    metrics.rejection(tool, ErrorCode::KeyConflict.as_str(), *n);
+                }
+                Origin::First | Origin::DeadLetter => {}
+            }
+        }
+        let mut rejections: BTreeMap<(String, &'static str), u64> = BTreeMap::new();
+        for pair in self.rejections {
+            *rejections.entry(pair).or_default() += 1;
+        }
+        for ((tool, code), n) in &rejections {
+            metrics.rejection(tool, code, *n);
+        }
+    }
 }
 
 /// A batch's tail under way ([`Consume::settle`]): `true` once its offsets are stored.

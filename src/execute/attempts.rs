@@ -147,7 +147,7 @@ impl Executor {
         self.metrics.attempts(state.attempts.max(0) as u32);
         if let Some(e) = &settled.error {
             if settled.status == OutcomeStatus::Rejected {
-                self.metrics.rejection(&state.tool, &e.code);
+                self.metrics.rejection(&state.tool, &e.code, 1);
             }
         }
         let latency = (chrono::Utc::now() - c.started).num_milliseconds().max(0) as f64 / 1000.0;

@@ -21,7 +21,7 @@ use crate::outcome::{ErrorCode, KeyState};
 use super::{Incoming, KeyedAction};
 
 /// Why a message arrived, as counted by `idem_deliveries_total{origin}` and shown by `explain`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Origin {
     First,
     /// The same Kafka record again (a consumer restart or rebalance before the offset commit).

@@ -305,7 +305,8 @@ async fn record_reading_first(
     }
     // 5. Repeats, against the stored key, and the direct answers of records read again.
     if !pending.is_empty() || !again.is_empty() {
-        answer_repeats(tx, &mut rec, pending, again, &refused).await?;
+        let rows = read_keys(tx, &repeated_keys(&pending, &again)).await?;
+        answer_repeats(rows, &mut rec, pending, again, &refused)?;
     }
     // 6. and 7. Every delivery and the immediate answers, and the commit.
     rec.write_and_commit(tx, channel).await.map(Some)
@@ -319,7 +320,8 @@ async fn record_reading_first(
 /// retry, a pruned key), the insert was built on a wrong premise: the transaction is rolled
 /// back and `None` returned, for the longer path. Batches whose gates read the database before
 /// the insert (failed reattempts) are not speculated on (`None` at once). A batch of known keys
-/// only has nothing to insert: the read of seen events goes out alone behind the `begin`.
+/// only has nothing to insert: the read of their stored state follows the read of seen events
+/// instead.
 async fn record_speculating(
     tx: &impl GenericClient,
     items: &[Incoming],
@@ -346,10 +348,23 @@ async fn record_speculating(
         }
         insert_intents(tx, &to_insert, claimant, limited).await
     };
+    // A batch of known keys only inserts nothing, so no lock of its own comes before the read
+    // of their stored state: that read goes out behind the read of seen events, in the same
+    // round trip.
+    let keys = match to_insert.is_empty() {
+        true => repeated_keys(&pending, &again),
+        false => Vec::new(),
+    };
+    let read = async {
+        if keys.is_empty() {
+            return Ok(None);
+        }
+        read_keys(tx, &keys).await.map(Some)
+    };
     // The tombstones are read behind the insert only (`insert_intents`), which sees those it
     // would have seen before it too.
-    let (seen, (by_event, pruned)) = crate::db::begin_with(tx, async {
-        futures::try_join!(seen_before(tx, items, false), insert)
+    let (seen, (by_event, pruned), read) = crate::db::begin_with(tx, async {
+        futures::try_join!(seen_before(tx, items, false), insert, read)
     })
     .await?;
     if !(seen.records.is_empty() && seen.events.is_empty() && pruned.is_empty()) {
@@ -370,7 +385,11 @@ async fn record_speculating(
         record_new(tx, &mut rec, &to_insert, by_event, claimant, &mut pending).await?;
     }
     if !pending.is_empty() {
-        answer_repeats(tx, &mut rec, pending, again, &refused).await?;
+        let rows = match read {
+            Some(rows) => rows,
+            None => read_keys(tx, &repeated_keys(&pending, &again)).await?,
+        };
+        answer_repeats(rows, &mut rec, pending, again, &refused)?;
     }
     rec.write_and_commit(tx, channel).await.map(Some)
 }
@@ -783,24 +802,35 @@ async fn record_new<'a>(
 /// straight to Kafka (its offset waits for the acknowledgement); otherwise through the outbox,
 /// behind the key's own outcomes. `again`: records read again whose first answer went
 /// straight to Kafka, answered again under the same event id.
-async fn answer_repeats(
-    tx: &impl GenericClient,
+/// The stored state of `keys`, under a share lock (`SELECT_KEYS_FOR_SHARE`).
+async fn read_keys(tx: &impl GenericClient, keys: &[&str]) -> Result<Vec<Row>, DbError> {
+    let statement = tx.prepare_cached(SELECT_KEYS_FOR_SHARE).await?;
+    Ok(tx.query(&statement, &[&keys]).await?)
+}
+
+/// The keys [`answer_repeats`] reads: the repeats' and those of records read again.
+fn repeated_keys<'a>(
+    pending: &[(&'a KeyedAction, Origin)],
+    again: &[&'a KeyedAction],
+) -> Vec<&'a str> {
+    pending
+        .iter()
+        .map(|(a, _)| a.key.as_str())
+        .chain(again.iter().map(|a| a.key.as_str()))
+        .collect()
+}
+
+/// Classifies the repeats against their keys' stored state, read by [`read_keys`].
+fn answer_repeats(
+    rows: Vec<Row>,
     rec: &mut Recording,
     pending: Vec<(&KeyedAction, Origin)>,
     again: Vec<&KeyedAction>,
     refused: &HashMap<&str, (ErrorCode, String)>,
 ) -> Result<(), DbError> {
-    let keys: Vec<&str> = pending
-        .iter()
-        .map(|(a, _)| a.key.as_str())
-        .chain(again.iter().map(|a| a.key.as_str()))
-        .collect();
     let mut existing: HashMap<String, StoredKey> = HashMap::new();
     let mut unpublished: HashSet<String> = HashSet::new();
-    for row in tx
-        .query(&tx.prepare_cached(SELECT_KEYS_FOR_SHARE).await?, &[&keys])
-        .await?
-    {
+    for row in rows {
         let stored = stored_key(&row);
         if row.get::<_, bool>("unpublished") {
             unpublished.insert(stored.state.key.clone());
