@@ -141,7 +141,9 @@ pub(crate) fn arrivals(
 #[derive(Debug)]
 pub(crate) struct StoredKey {
     pub id: i64,
-    pub material: Value,
+    /// Its material fields as stored (`jsonb` as text), parsed only when a repeat's fingerprint
+    /// differs ([`StoredKey::material`]): most repeats only compare fingerprints.
+    pub material_json: String,
     pub fingerprint: String,
     pub args_hash: String,
     pub state: KeyState,
@@ -149,6 +151,14 @@ pub(crate) struct StoredKey {
     pub reportable: bool,
     /// The record its first delivery came in, whose event id is `state.first_event_id`.
     pub first_record: RecordId,
+}
+
+impl StoredKey {
+    /// The stored material fields (`null` if the text is not JSON, which Postgres' `jsonb` never
+    /// gives: then every incoming field differs).
+    fn material(&self) -> Value {
+        serde_json::from_str(&self.material_json).unwrap_or(Value::Null)
+    }
 }
 
 /// What a repeat is, once its stored key is read.
@@ -224,7 +234,7 @@ pub(crate) fn repeat<'k>(
         };
     }
     if stored.fingerprint != action.fingerprint {
-        let fields = key::differing_fields(&stored.material, &action.material);
+        let fields = key::differing_fields(&stored.material(), &action.material);
         return Repeat::Conflict { stored, fields };
     }
     let origin = if stored.args_hash == action.args_hash {
@@ -322,7 +332,7 @@ mod tests {
     fn stored_from(a: &KeyedAction, id: i64, reportable: bool) -> StoredKey {
         StoredKey {
             id,
-            material: Value::Object(a.material.clone()),
+            material_json: Value::Object(a.material.clone()).to_string(),
             fingerprint: a.fingerprint.clone(),
             args_hash: a.args_hash.clone(),
             state: KeyState {

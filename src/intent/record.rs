@@ -78,7 +78,7 @@ fn stored_key(row: &Row) -> StoredKey {
     let reported = IntentStatus::parse(row.get("status")).and_then(IntentStatus::reported);
     StoredKey {
         id: row.get("id"),
-        material: row.get("material"),
+        material_json: row.get("material"),
         fingerprint: row.get("fingerprint"),
         args_hash: row.get("args_hash"),
         reportable: reported.is_some(),

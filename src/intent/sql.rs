@@ -50,8 +50,9 @@ pub(crate) const OPEN_FIRST_CALLS: &str = "
 // commits first and we see its status, or it waits and then sees our waiting deliveries. Every
 // statement that locks several intents locks them in id order, so they cannot deadlock.
 pub(crate) const SELECT_KEYS_FOR_SHARE: &str = "
-    select id, idempotency_key, material, fingerprint, args_hash, action_event_id, source_topic,
-           source_partition, source_offset, status, result, error, attempts, run_id, step, tool,
+    select id, idempotency_key, material::text as material, fingerprint, args_hash,
+           action_event_id, source_topic, source_partition, source_offset, status, result,
+           error, attempts, run_id, step, tool,
            coalesce(finished_at, updated_at) as at,
            exists (select 1 from outbox o
                     where o.kafka_key = intents.idempotency_key
