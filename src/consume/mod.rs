@@ -61,20 +61,18 @@ impl Consume {
         let mut arrivals = linger::Arrivals::default();
         let mut fine = linger::FineSleep::start();
         let max = self.config.relay.batch_size;
-        // The last batch's tail (its metrics, its direct answers sent and acknowledged, then
-        // its offsets) runs while the next batch is read and recorded, and ends before that
-        // batch's tail begins, so offsets only move forward. Once a tail could not let its batch's offsets advance
+        // The last batch's tail (its direct answers' acknowledgements, then its offsets) runs
+        // while the next batch is read and recorded, and ends before that batch's tail begins,
+        // so offsets only move forward. Once a tail could not let its batch's offsets advance
         // (shutdown came first), no later tail does either.
         let mut tail: Option<Tail<'_>> = None;
         let mut advancing = true;
         loop {
-            // A message already fetched comes before the last batch's tail: that tail then runs
-            // while this batch waits for Postgres, not before it.
             let first = tokio::select! {
                 biased;
                 _ = shutdown.cancelled() => break,
-                m = consumer.recv() => Ok(m),
                 stored = drive(&mut tail) => Err(stored),
+                m = consumer.recv() => Ok(m),
             };
             let first = match first {
                 Ok(m) => m,
@@ -230,10 +228,8 @@ impl Consume {
             trace_recorded(&items, started, &self.config.kafka.group_id);
         }
 
-        let counted = Counted {
-            origins: std::mem::take(&mut result.origins),
-            rejections: std::mem::take(&mut result.rejections),
-        };
+        let direct = std::mem::take(&mut result.direct);
+        count(&self.metrics, &result.origins, &result.rejections);
         // Claimed ones first into the set whose leases are renewed: their queue may be long.
         self.executor.hold(result.claimed.iter().map(|c| c.id));
         for c in result.claimed {
@@ -243,11 +239,16 @@ impl Consume {
             self.executor.dispatch(*id, tool).await;
         }
 
-        // Counting the batch and handing its direct answers to the producer are left to its
-        // tail, which runs while the next batch is recorded.
+        // Answers sent straight to Kafka are handed to the producer now, in the order of the
+        // batches; their acknowledgements (or the outbox, for what Kafka refuses) are awaited
+        // by the tail, and only then may these offsets advance. The calls above wait for
+        // neither.
+        let sends = (!direct.is_empty()).then(|| {
+            crate::failpoint::crash_point!("before-direct-answers");
+            crate::publish::send_direct(&self.producer, &self.config.kafka.outcomes_topic, direct)
+        });
         Some(Unsettled {
-            counted,
-            direct: std::mem::take(&mut result.direct),
+            sends,
             positions: Positions::of(batch),
             channel,
         })
@@ -262,17 +263,10 @@ impl Consume {
         shutdown: &'a CancellationToken,
     ) -> Tail<'a> {
         Box::pin(async move {
-            rest.counted.count(&self.metrics);
             if !advancing {
                 return false;
             }
-            // Handed to the producer in the order of the batches (tails run one after another);
-            // their acknowledgements (or the outbox, for what Kafka refuses) are awaited before
-            // these offsets may advance.
-            if !rest.direct.is_empty() {
-                crate::failpoint::crash_point!("before-direct-answers");
-                let topic = &self.config.kafka.outcomes_topic;
-                let sends = crate::publish::send_direct(&self.producer, topic, rest.direct);
+            if let Some(sends) = rest.sends {
                 if !self.answered(sends, &rest.channel, shutdown).await {
                     rest.positions.rewind(&self.consumer);
                     return false;
@@ -510,53 +504,41 @@ impl Consume {
     }
 }
 
-/// What is left of a recorded batch: its direct answers' acknowledgements, then its offsets.
-struct Unsettled {
-    counted: Counted,
-    /// Answers to send straight to Kafka.
-    direct: Vec<crate::outcome::Outcome>,
-    positions: Positions,
-    channel: String,
-}
-
-/// What a recorded batch adds to the metrics.
-struct Counted {
-    /// (tool, origin) of each message.
-    origins: Vec<(String, Origin)>,
-    /// (tool, error code) of each action a gate refused.
-    rejections: Vec<(String, &'static str)>,
-}
-
-impl Counted {
-    /// Adds the batch to the metrics, each series once: a batch of repeats is mostly a few
-    /// (tool, origin) pairs many times over.
-    fn count(self, metrics: &Metrics) {
-        let mut origins: BTreeMap<(String, Origin), u64> = BTreeMap::new();
-        for pair in self.origins {
-            *origins.entry(pair).or_default() += 1;
-        }
-        for ((tool, origin), n) in &origins {
-            metrics.consumed(*origin, *n);
-            match origin {
-                Origin::Redelivery
-                | Origin::ProducerRetry
-                | Origin::Replay
-                | Origin::ModelRetry => metrics.duplicate(tool, *origin, *n),
-                Origin::Conflict => {
-                    metrics.conflict(tool, *n);
-                    metrics.rejection(tool, ErrorCode::KeyConflict.as_str(), *n);
-                }
-                Origin::First | Origin::DeadLetter => {}
+/// Adds a recorded batch to the metrics: (tool, origin) of each message, (tool, error code) of
+/// each action a gate refused. Each series once, by how many: a batch of repeats is mostly a
+/// few (tool, origin) pairs many times over.
+fn count(metrics: &Metrics, origins: &[(String, Origin)], rejections: &[(String, &'static str)]) {
+    let mut by_origin: BTreeMap<(&str, Origin), u64> = BTreeMap::new();
+    for (tool, origin) in origins {
+        *by_origin.entry((tool, *origin)).or_default() += 1;
+    }
+    for ((tool, origin), n) in by_origin {
+        metrics.consumed(origin, n);
+        match origin {
+            Origin::Redelivery | Origin::ProducerRetry | Origin::Replay | Origin::ModelRetry => {
+                metrics.duplicate(tool, origin, n)
             }
-        }
-        let mut rejections: BTreeMap<(String, &'static str), u64> = BTreeMap::new();
-        for pair in self.rejections {
-            *rejections.entry(pair).or_default() += 1;
-        }
-        for ((tool, code), n) in &rejections {
-            metrics.rejection(tool, code, *n);
+            Origin::Conflict => {
+                metrics.conflict(tool, n);
+                metrics.rejection(tool, ErrorCode::KeyConflict.as_str(), n);
+            }
+            Origin::First | Origin::DeadLetter => {}
         }
     }
+    let mut by_code: BTreeMap<(&str, &str), u64> = BTreeMap::new();
+    for (tool, code) in rejections {
+        *by_code.entry((tool, code)).or_default() += 1;
+    }
+    for ((tool, code), n) in by_code {
+        metrics.rejection(tool, code, n);
+    }
+}
+
+/// What is left of a recorded batch: its direct answers' acknowledgements, then its offsets.
+struct Unsettled {
+    sends: Option<crate::publish::DirectSends>,
+    positions: Positions,
+    channel: String,
 }
 
 /// A batch's tail under way ([`Consume::settle`]): `true` once its offsets are stored.
@@ -644,6 +626,56 @@ fn trace_recorded(items: &[Incoming], started: std::time::SystemTime, group: &st
                 ],
                 error: None,
             },
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_batch_counts_each_message_once_in_every_series_it_belongs_to() {
+        let m = Metrics::new();
+        let origins: Vec<(String, Origin)> = [
+            ("send", Origin::First),
+            ("send", Origin::Replay),
+            ("send", Origin::Replay),
+            ("send", Origin::ModelRetry),
+            ("refund", Origin::Replay),
+            ("send", Origin::Conflict),
+            ("send", Origin::Redelivery),
+            ("", Origin::DeadLetter),
+        ]
+        .into_iter()
+        .map(|(t, o)| (t.to_string(), o))
+        .collect();
+        let rejections = [
+            ("refund".to_string(), "run_limit_exceeded"),
+            ("refund".to_string(), "run_limit_exceeded"),
+        ];
+        count(&m, &origins, &rejections);
+        let text = m.render();
+        for line in [
+            "idem_messages_consumed_total{origin=\"first\"} 1",
+            "idem_messages_consumed_total{origin=\"replay\"} 3",
+            "idem_messages_consumed_total{origin=\"model_retry\"} 1",
+            "idem_messages_consumed_total{origin=\"conflict\"} 1",
+            "idem_messages_consumed_total{origin=\"redelivery\"} 1",
+            "idem_messages_consumed_total{origin=\"dead_letter\"} 1",
+            "idem_duplicates_total{origin=\"replay\",tool=\"send\"} 2",
+            "idem_duplicates_total{origin=\"replay\",tool=\"refund\"} 1",
+            "idem_duplicates_total{origin=\"model_retry\",tool=\"send\"} 1",
+            "idem_duplicates_total{origin=\"redelivery\",tool=\"send\"} 1",
+            "idem_conflicts_total{tool=\"send\"} 1",
+            "idem_rejections_total{code=\"key_conflict\",tool=\"send\"} 1",
+            "idem_rejections_total{code=\"run_limit_exceeded\",tool=\"refund\"} 2",
+        ] {
+            assert!(text.contains(line), "{line} missing from:\n{text}");
+        }
+        assert!(
+            !text.contains("idem_duplicates_total{origin=\"first\""),
+            "a first sight is no duplicate"
         );
     }
 }

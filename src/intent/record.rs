@@ -797,11 +797,6 @@ async fn record_new<'a>(
     Ok(())
 }
 
-/// Compares each repeat with its stored key and answers it now, or leaves it to be answered
-/// when the key resolves. A duplicate of a key whose outcomes are all published is answered
-/// straight to Kafka (its offset waits for the acknowledgement); otherwise through the outbox,
-/// behind the key's own outcomes. `again`: records read again whose first answer went
-/// straight to Kafka, answered again under the same event id.
 /// The stored state of `keys`, under a share lock (`SELECT_KEYS_FOR_SHARE`).
 async fn read_keys(tx: &impl GenericClient, keys: &[&str]) -> Result<Vec<Row>, DbError> {
     let statement = tx.prepare_cached(SELECT_KEYS_FOR_SHARE).await?;
@@ -820,7 +815,11 @@ fn repeated_keys<'a>(
         .collect()
 }
 
-/// Classifies the repeats against their keys' stored state, read by [`read_keys`].
+/// Compares each repeat with its stored key (`rows`, from [`read_keys`]) and answers it now, or
+/// leaves it to be answered when the key resolves. A duplicate of a key whose outcomes are all
+/// published is answered straight to Kafka (its offset waits for the acknowledgement);
+/// otherwise through the outbox, behind the key's own outcomes. `again`: records read again
+/// whose first answer went straight to Kafka, answered again under the same event id.
 fn answer_repeats(
     rows: Vec<Row>,
     rec: &mut Recording,
