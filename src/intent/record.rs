@@ -320,8 +320,8 @@ async fn record_reading_first(
 /// retry, a pruned key), the insert was built on a wrong premise: the transaction is rolled
 /// back and `None` returned, for the longer path. Batches whose gates read the database before
 /// the insert (failed reattempts) are not speculated on (`None` at once). A batch of known keys
-/// only has nothing to insert: the read of their stored state follows the read of seen events
-/// instead.
+/// only has nothing to insert: the read of their stored state goes out behind the read of seen
+/// events, in the same round trip.
 async fn record_speculating(
     tx: &impl GenericClient,
     items: &[Incoming],
@@ -348,12 +348,13 @@ async fn record_speculating(
         }
         insert_intents(tx, &to_insert, claimant, limited).await
     };
-    // A batch of known keys only inserts nothing, so no lock of its own comes before the read
-    // of their stored state: that read goes out behind the read of seen events, in the same
-    // round trip.
-    let keys = match to_insert.is_empty() {
-        true => repeated_keys(&pending, &again),
-        false => Vec::new(),
+    // A batch whose actions are all known keys inserts nothing, so no lock of its own comes
+    // before the read of their stored state: that read goes out behind the read of seen events,
+    // in the same round trip.
+    let keys = if to_insert.is_empty() {
+        repeated_keys(&pending, &again)
+    } else {
+        Vec::new()
     };
     let read = async {
         if keys.is_empty() {
