@@ -8,6 +8,8 @@ use tokio_postgres_rustls::MakeRustlsConnect;
 
 use crate::config::PostgresConfig;
 
+#[cfg(test)]
+pub(crate) mod plans;
 mod tls;
 
 pub use tls::{Roots, SslMode, TlsParams};

@@ -186,11 +186,16 @@ pub(crate) const OUTBOX_LAG: &str = "
 /// before a relay that knows the queue met it): the publisher reads the queue's oldest ids
 /// first, so enough of them would fill its every round. Only the oldest thousand are looked
 /// at, and none is locked but those deleted, so rows that are there keep their order.
+///
+/// Each id is looked up in the outbox by a scalar subquery, run per id, which the planner
+/// cannot turn into a join: as a `not exists`, the plan made on a new schema's empty outbox was
+/// a merge join walking the outbox's whole primary key up to the newest queued id, every two
+/// seconds for the connection's life, however large the outbox grew.
 pub(crate) const DROP_ORPHANS: &str = "
     delete from outbox_pending
      where id = any(array(
            select p.id from (select id from outbox_pending order by id limit 1000) p
-            where not exists (select 1 from outbox o where o.id = p.id)))";
+            where (select true from outbox o where o.id = p.id) is null))";
 
 /// Vacuums the queue of unpublished rows, so the publisher's reads do not walk the entries of
 /// rows published since (autovacuum visits a table at most once a minute): its index always
@@ -337,5 +342,43 @@ mod tests {
             compact(r#"{"a": "x, \"y\": z", "b": [1, 2]}"#),
             r#"{"a":"x, \"y\": z","b":[1,2]}"#
         );
+    }
+
+    // The publisher drops orphans (queued ids without an outbox row) every two seconds on a
+    // connection that keeps its first plan. Made on a new schema's empty outbox, that plan must
+    // still look up only the queue's head once the outbox holds millions of rows.
+    #[tokio::test]
+    async fn dropping_orphans_reads_the_queue_head_whatever_the_outbox_held_at_planning() {
+        use crate::db::plans::{rows_read, Fresh};
+        let db = Fresh::new().await;
+        let prepare = format!("prepare d as {DROP_ORPHANS}");
+        db.pg.batch_execute(&prepare).await.expect("prepare");
+        db.rows("begin; execute d; rollback").await;
+        // Twenty thousand outcomes, all but the last ten published; five orphans at the head.
+        db.pg
+            .batch_execute(
+                "insert into outbox (event_id, kafka_key, payload)
+                 select 'o' || g, 'k' || g, '{}' from generate_series(1, 20000) g;
+                 delete from outbox_pending
+                  where id not in (select id from outbox order by id desc limit 10);
+                 insert into outbox_pending (id) select -g from generate_series(1, 5) g;",
+            )
+            .await
+            .expect("fill");
+
+        let left = db
+            .rows("begin; execute d; select count(*) as n from outbox_pending; rollback")
+            .await;
+        assert_eq!(
+            left[0][0].1, "10",
+            "the five orphans dropped, the ten queued kept"
+        );
+        let plan = db.explain("execute d").await;
+        let n = rows_read(&plan, "outbox");
+        assert!(
+            n <= 15.0,
+            "dropping orphans read {n} outbox rows for 15 queued: {plan:#}"
+        );
+        db.drop().await;
     }
 }

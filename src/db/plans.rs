@@ -1,0 +1,88 @@
+//! For tests of the data path's plans: a fresh schema on the test Postgres, reached with the
+//! data path's session settings, and what `explain (analyze, format json)` says a statement read.
+//! A prepared statement keeps the generic plan of its first execution for the connection's life,
+//! so these tests make that plan on small tables, grow them, and count the rows read.
+
+use deadpool_postgres::Object;
+use serde_json::Value;
+use tokio_postgres::SimpleQueryMessage;
+
+use crate::config::PostgresConfig;
+
+/// A migrated schema of its own and a data-path connection to it; dropped by [`Fresh::drop`].
+pub(crate) struct Fresh {
+    pub schema: String,
+    pub pg: Object,
+}
+
+impl Fresh {
+    pub async fn new() -> Fresh {
+        let cfg = PostgresConfig {
+            url: std::env::var("IDEM_TEST_POSTGRES_URL")
+                .unwrap_or_else(|_| "postgres://idem:idem@127.0.0.1:5432/idem".into()),
+            schema: format!("t_{}", &uuid::Uuid::new_v4().simple().to_string()[..12]),
+            pool_size: 1,
+        };
+        super::migrate(&cfg).await.expect("migrate");
+        let pool = super::data_path_pool(&cfg).expect("pool");
+        let pg = pool.get().await.expect("connection");
+        Fresh {
+            schema: cfg.schema,
+            pg,
+        }
+    }
+
+    /// The rows of `sql` (simple protocol), each as (column, text) pairs.
+    pub async fn rows(&self, sql: &str) -> Vec<Vec<(String, String)>> {
+        let messages = self.pg.simple_query(sql).await.expect(sql);
+        let row = |r: &tokio_postgres::SimpleQueryRow| {
+            let name = |i: usize| r.columns()[i].name().to_string();
+            let text = |i: usize| r.get(i).unwrap_or("").to_string();
+            (0..r.len()).map(|i| (name(i), text(i))).collect()
+        };
+        messages
+            .iter()
+            .filter_map(|m| match m {
+                SimpleQueryMessage::Row(r) => Some(row(r)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// The plan `execute` ran with, from `explain (analyze, format json)` in a transaction
+    /// rolled back, so a statement that writes leaves nothing.
+    pub async fn explain(&self, execute: &str) -> Value {
+        let rows = self
+            .rows(&format!(
+                "begin; explain (analyze, format json) {execute}; rollback"
+            ))
+            .await;
+        let plan: Value = serde_json::from_str(&rows[0][0].1).expect("explain's json");
+        plan[0]["Plan"].clone()
+    }
+
+    pub async fn drop(self) {
+        let _ = self
+            .pg
+            .batch_execute(&format!("drop schema {} cascade", self.schema))
+            .await;
+    }
+}
+
+/// The text of `name` in a row of [`Fresh::rows`].
+pub(crate) fn column<'a>(row: &'a [(String, String)], name: &str) -> &'a str {
+    let found = row.iter().find(|(n, _)| n == name);
+    found.map(|(_, text)| text.as_str()).expect(name)
+}
+
+/// Rows read from `table` by every node of a plan from [`Fresh::explain`].
+pub(crate) fn rows_read(node: &Value, table: &str) -> f64 {
+    let own = if node["Relation Name"] == table {
+        let rows = node["Actual Rows"].as_f64().unwrap_or(0.0);
+        rows * node["Actual Loops"].as_f64().unwrap_or(0.0)
+    } else {
+        0.0
+    };
+    let below = node["Plans"].as_array().into_iter().flatten();
+    own + below.map(|n| rows_read(n, table)).sum::<f64>()
+}
