@@ -1,7 +1,8 @@
 //! For tests of the data path's plans: a fresh schema on the test Postgres, reached with the
 //! data path's session settings, and what `explain (analyze, format json)` says a statement read.
-//! A prepared statement keeps the generic plan of its first execution for the connection's life,
-//! so these tests make that plan on small tables, grow them, and count the rows read.
+//! A prepared statement keeps the generic plan of its first execution until something (a vacuum
+//! or an analyze of a table it reads) makes the connection plan it again, so these tests make
+//! that plan on small tables, grow them, and count the rows read.
 
 use deadpool_postgres::Object;
 use serde_json::Value;
@@ -67,12 +68,6 @@ impl Fresh {
             .batch_execute(&format!("drop schema {} cascade", self.schema))
             .await;
     }
-}
-
-/// The text of `name` in a row of [`Fresh::rows`].
-pub(crate) fn column<'a>(row: &'a [(String, String)], name: &str) -> &'a str {
-    let found = row.iter().find(|(n, _)| n == name);
-    found.map(|(_, text)| text.as_str()).expect(name)
 }
 
 /// Rows read from `table` by every node of a plan from [`Fresh::explain`].
