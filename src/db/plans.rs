@@ -70,10 +70,16 @@ impl Fresh {
     }
 }
 
-/// Rows read from `table` by every node of a plan from [`Fresh::explain`].
+/// Rows read from `table` by every node of a plan from [`Fresh::explain`]: those each scan of it
+/// returned and those its filters dropped.
 pub(crate) fn rows_read(node: &Value, table: &str) -> f64 {
     let own = if node["Relation Name"] == table {
-        let rows = node["Actual Rows"].as_f64().unwrap_or(0.0);
+        let counts = [
+            "Actual Rows",
+            "Rows Removed by Filter",
+            "Rows Removed by Index Recheck",
+        ];
+        let rows: f64 = counts.iter().filter_map(|c| node[*c].as_f64()).sum();
         rows * node["Actual Loops"].as_f64().unwrap_or(0.0)
     } else {
         0.0

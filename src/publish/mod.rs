@@ -337,8 +337,16 @@ impl Publisher {
     async fn trace_published(&self, rows: &[&OutboxRow], started: std::time::SystemTime) {
         use crate::telemetry::{ActionTrace, Attribute, Kind, Span};
         let keys: Vec<&str> = rows.iter().map(|r| r.key.as_str()).collect();
+        let events: Vec<serde_json::Value> = rows
+            .iter()
+            .map(|r| serde_json::from_str(&r.payload).unwrap_or_default())
+            .collect();
+        let answered: Vec<&str> = events
+            .iter()
+            .filter_map(|e| e["data"]["action_event_id"].as_str())
+            .collect();
         let intents = match self.pool.get().await {
-            Ok(client) => client.query(TRACED_INTENTS, &[&keys]).await.ok(),
+            Ok(client) => client.query(TRACED_INTENTS, &[&keys, &answered]).await.ok(),
             Err(_) => None,
         };
         let Some(intents) = intents else {
@@ -347,13 +355,12 @@ impl Publisher {
         };
         let now = std::time::SystemTime::now();
         let outcomes = &self.config.kafka.outcomes_topic;
-        for row in rows {
+        for (row, event) in rows.iter().zip(&events) {
             let Some(intent) = intents.iter().find(|i| i.get::<_, &str>(0) == row.key) else {
                 continue;
             };
             let created: std::time::SystemTime = intent.get(1);
             let trace = ActionTrace::of(&row.key, intent.get::<_, Option<&str>>(2));
-            let event: serde_json::Value = serde_json::from_str(&row.payload).unwrap_or_default();
             let data = &event["data"];
             let status = data["status"].as_str().unwrap_or_default().to_string();
             trace.emit_child(
@@ -591,10 +598,19 @@ async fn vacuum_queue(pool: Pool, stop: CancellationToken) {
     }
 }
 
-/// The creation time and incoming `traceparent` of each key, for its spans.
+/// The creation time and incoming `traceparent` of each key ($1), for its spans: found by the
+/// key's unique index, or for a read-only tool (one intent per call, outside that index) by the
+/// call's first delivery, named by the action event the outcome answers ($2). Both by index:
+/// the read by key alone scanned every intent, every publishing round.
 const TRACED_INTENTS: &str = "
     select distinct on (idempotency_key) idempotency_key, created_at, traceparent
-      from intents where idempotency_key = any($1)
+      from (select id, idempotency_key, created_at, traceparent
+              from intents
+             where idempotency_key = any($1) and class <> 'read_only'
+            union all
+            select i.id, i.idempotency_key, i.created_at, i.traceparent
+              from deliveries d join intents i on i.id = d.intent_id
+             where d.action_event_id = any($2) and i.class = 'read_only') traced
      order by idempotency_key, id";
 
 /// Listens on the outbox channel and wakes the publisher on every notification; reconnects
@@ -700,5 +716,69 @@ mod tests {
             // content-type, the trace context when there is one, and five attributes.
             assert_eq!(read.len(), 6 + usize::from(tp.is_some()), "{read:?}");
         }
+    }
+
+    // With telemetry on, every publishing round reads the intents of the outcomes it sent. The
+    // read must find them by index: a read-only tool's intents are outside the unique key index
+    // (one intent per call), and the read by key alone scanned the whole table every round.
+    #[tokio::test]
+    async fn the_read_of_published_outcomes_intents_looks_each_up_by_index() {
+        use crate::db::plans::{rows_read, Fresh};
+        let db = Fresh::new().await;
+        // Twenty thousand intents of a dangerous tool; two thousand calls of a read-only one,
+        // two per key, each with its first delivery.
+        db.pg
+            .batch_execute(
+                "insert into intents (idempotency_key, tool, class, run_id, args, material,
+                                      fingerprint, args_hash, action_event_id, source_topic,
+                                      source_partition, source_offset, status, traceparent)
+                 select 'k' || g, 'send_email', 'dangerous', 'r', '{}', '{}', 'f', 'h', 'e' || g,
+                        'actions', 0, g, 'succeeded', 'tp-k' || g
+                   from generate_series(1, 20000) g;
+                 with calls as (
+                     insert into intents (idempotency_key, tool, class, run_id, args, material,
+                                          fingerprint, args_hash, action_event_id, source_topic,
+                                          source_partition, source_offset, status, traceparent)
+                     select 'q' || (g / 2), 'lookup', 'read_only', 'r', '{}', '{}', 'f', 'h',
+                            'eq' || g, 'actions', 1, g, 'succeeded', 'tp-q' || g
+                       from generate_series(2, 2001) g
+                     returning id, idempotency_key, action_event_id, source_offset)
+                 insert into deliveries (intent_id, idempotency_key, action_event_id,
+                                         source_topic, source_partition, source_offset, origin,
+                                         answered)
+                 select id, idempotency_key, action_event_id, 'actions', 1, source_offset,
+                        'first', true
+                   from calls;
+                 analyze intents, deliveries;",
+            )
+            .await
+            .expect("fill");
+        db.pg
+            .batch_execute(&format!("prepare t as {TRACED_INTENTS}"))
+            .await
+            .expect("prepare");
+        // Five outcomes of the dangerous tool's keys, and of the read-only tool's second call
+        // of key q7 and first of q9.
+        let read = "execute t('{k1,k2,k3,k4,k5,q7,q9}', '{e1,e2,e3,e4,e5,eq15,eq18}')";
+
+        let rows = db.rows(read).await;
+        let found: Vec<(&str, &str)> = rows
+            .iter()
+            .map(|r| (r[0].1.as_str(), r[2].1.as_str()))
+            .collect();
+        let expected = [
+            ("k1", "tp-k1"),
+            ("k2", "tp-k2"),
+            ("k3", "tp-k3"),
+            ("k4", "tp-k4"),
+            ("k5", "tp-k5"),
+            ("q7", "tp-q15"),
+            ("q9", "tp-q18"),
+        ];
+        assert_eq!(found, expected);
+        let plan = db.explain(read).await;
+        let n = rows_read(&plan, "intents");
+        assert!(n <= 7.0, "7 outcomes' intents read {n} intents: {plan:#}");
+        db.drop().await;
     }
 }
