@@ -70,10 +70,10 @@ impl Fresh {
     }
 }
 
-/// Rows read from `table` by every node of a plan from [`Fresh::explain`]: those each scan of it
-/// returned and those its filters dropped.
+/// Rows read from `table` by every scan of it in a plan from [`Fresh::explain`]: those each scan
+/// returned and those its filters dropped (the rows a write returns are not counted again).
 pub(crate) fn rows_read(node: &Value, table: &str) -> f64 {
-    let own = if node["Relation Name"] == table {
+    let own = if node["Relation Name"] == table && node["Node Type"] != "ModifyTable" {
         let counts = [
             "Actual Rows",
             "Rows Removed by Filter",

@@ -263,6 +263,10 @@ pub async fn claim_many(
 // is still theirs and the lease has not run out (a relay paused past its lease has lost the
 // key to recovery, which may be verifying or calling it). Each lease is renewed for the call,
 // and the call's attempt restarts its clock, so its deadline counts from the send.
+//
+// The status is a parameter ($5, `running`): as a literal it matched the partial index of open
+// intents, and a plan made while few ran (a new schema) read every running intent through that
+// index on each later fence, for a connection's life.
 const FENCE_MANY: &str = "
     with locked as materialized (
         select id from intents where id = any($1) order by id for update
@@ -270,7 +274,7 @@ const FENCE_MANY: &str = "
         update intents i set lease_expires_at = now() + make_interval(secs => $4)
           from locked l, unnest($1::int8[], $2::int8[]) as u(id, epoch)
          where i.id = l.id and u.id = i.id and i.lease_epoch = u.epoch
-           and i.status = 'running' and i.lease_expires_at > now()
+           and i.status = $5 and i.lease_expires_at > now()
         returning i.id
     ), a as (
         update attempts a set started_at = now()
@@ -279,6 +283,9 @@ const FENCE_MANY: &str = "
            and u.id = any(array(select id from f))
     )
     select id from f";
+
+/// The status a fenced claim must still have (FENCE_MANY's $5).
+const RUNNING: &str = "running";
 
 /// One claim to re-check before its first send.
 #[derive(Debug, Clone, Copy)]
@@ -299,7 +306,7 @@ pub async fn fence_many(
     let seqs: Vec<i32> = items.iter().map(|f| f.seq).collect();
     let statement = client.prepare_cached(FENCE_MANY).await?;
     Ok(client
-        .query(&statement, &[&ids, &epochs, &seqs, &lease_secs])
+        .query(&statement, &[&ids, &epochs, &seqs, &lease_secs, &RUNNING])
         .await?
         .iter()
         .map(|r| r.get(0))
@@ -331,5 +338,56 @@ mod tests {
         assert!(!sends_unfenced(S(31), S(30), S(1)));
         // A timeout as long as the lease leaves only the fresh-claim allowance.
         assert!(!sends_unfenced(Duration::from_millis(200), S(30), S(30)));
+    }
+
+    // A claim waiting past its fresh window is fenced before its first send, by a statement
+    // each connection prepares once and keeps planned. Planned while no intent was running (a
+    // new schema), the plan must still look up the claims' own rows once thousands run.
+    #[tokio::test]
+    async fn fencing_claims_reads_their_rows_whatever_ran_when_it_was_planned() {
+        use crate::db::plans::{rows_read, Fresh};
+        let db = Fresh::new().await;
+        let fence = |ids: &str, epochs: &str, seqs: &str| {
+            format!("execute f('{{{ids}}}', '{{{epochs}}}', '{{{seqs}}}', 30, 'running')")
+        };
+        let prepare = format!("prepare f(int8[], int8[], int4[], float8, text) as {FENCE_MANY}");
+        db.pg.batch_execute(&prepare).await.expect("prepare");
+        db.rows(&format!("begin; {}; rollback", fence("1", "1", "1")))
+            .await;
+        // Five thousand claims running, fifteen thousand keys finished.
+        db.pg
+            .batch_execute(
+                "insert into intents (idempotency_key, tool, class, run_id, args, material,
+                                      fingerprint, args_hash, action_event_id, source_topic,
+                                      source_partition, source_offset, status, lease_owner,
+                                      lease_expires_at, lease_epoch)
+                 select 'k' || g, 'send_email', 'dangerous', 'r', '{}', '{}', 'f', 'h', 'e' || g,
+                        'actions', 0, g,
+                        case when g % 4 = 0 then 'running' else 'succeeded' end,
+                        case when g % 4 = 0 then 'relay-1' end,
+                        case when g % 4 = 0 then now() + interval '1 minute' end,
+                        case when g % 4 = 0 then 1 else 0 end
+                   from generate_series(1, 20000) g",
+            )
+            .await
+            .expect("fill");
+
+        // Ten running claims fenced, one of them (id 40) lost to another epoch.
+        let read = fence(
+            "4,8,12,16,20,24,28,32,36,40",
+            "1,1,1,1,1,1,1,1,1,2",
+            "1,1,1,1,1,1,1,1,1,1",
+        );
+        let fenced = db.rows(&format!("begin; {read}; rollback")).await;
+        let mut ids: Vec<i64> = fenced.iter().map(|r| r[0].1.parse().unwrap()).collect();
+        ids.sort();
+        assert_eq!(ids, [4, 8, 12, 16, 20, 24, 28, 32, 36]);
+        let plan = db.explain(&read).await;
+        let n = rows_read(&plan, "intents");
+        assert!(
+            n <= 20.0,
+            "fencing 10 claims read {n} intents (locked, then updated): {plan:#}"
+        );
+        db.drop().await;
     }
 }
