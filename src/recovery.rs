@@ -21,13 +21,19 @@ use crate::outcome::{FinishError, Guard, OutcomeStatus, Settled};
 
 /// Intents left behind: recorded but never claimed (a relay died before dispatching them), or
 /// claimed by a relay whose lease ran out.
+///
+/// Ordered by `id + 0`, an expression no index gives: by `id`, the plan could walk the primary
+/// key for the first `$2` matches, and a sweep usually finds none, so whenever the open intents
+/// were a percent or more of the table (a backlog of pending ones) every sweep read the whole
+/// table. The open ones are found through their partial index and sorted; locks are still
+/// taken in id order.
 const SELECT_ORPHANS: &str = "
     select id, status, class, tool
       from intents
      where ((status = 'pending' and updated_at < now() - make_interval(secs => $1))
             or (status = 'running' and lease_expires_at < now()))
        and id <> all($3)
-     order by id
+     order by id + 0
      limit $2
      for update skip locked";
 
@@ -258,4 +264,66 @@ pub async fn sweep(executor: &Arc<Executor>) -> Result<usize, DbError> {
         x.dispatch(*id, tool).await;
     }
     Ok(orphans.len())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::SELECT_ORPHANS;
+    use crate::db::plans::{rows_read, Fresh};
+
+    // Every sweep looks for orphans, and there are usually none. Ordered by id with a limit,
+    // the plan could walk the primary key hoping to meet the limit early, reading every intent
+    // to find none, whenever the open intents were a percent or more of the table (a backlog
+    // of pending ones, a young schema).
+    #[tokio::test]
+    async fn the_sweep_for_orphans_reads_open_intents_not_the_table() {
+        let db = Fresh::new().await;
+        // Forty-eight thousand finished keys, a thousand claims running under a live lease,
+        // a thousand recorded just now: open, and none of them an orphan.
+        db.pg
+            .batch_execute(
+                "insert into intents (idempotency_key, tool, class, run_id, args, material,
+                                      fingerprint, args_hash, action_event_id, source_topic,
+                                      source_partition, source_offset, status, lease_owner,
+                                      lease_expires_at, lease_epoch)
+                 select 'k' || g, 'send_email', 'dangerous', 'r', '{}', '{}', 'f', 'h', 'e' || g,
+                        'actions', 0, g,
+                        case when g % 50 = 0 then 'running'
+                             when g % 50 = 1 then 'pending' else 'succeeded' end,
+                        case when g % 50 = 0 then 'relay-1' end,
+                        case when g % 50 = 0 then now() + interval '1 minute' end,
+                        case when g % 50 = 0 then 1 else 0 end
+                   from generate_series(1, 50000) g;
+                 analyze intents;",
+            )
+            .await
+            .expect("fill");
+        let prepare = format!("prepare o(float8, int8, int8[]) as {SELECT_ORPHANS}");
+        db.pg.batch_execute(&prepare).await.expect("prepare");
+        let sweep = "execute o(60, 100, '{}')";
+
+        let orphans = db.rows(&format!("begin; {sweep}; rollback")).await;
+        assert!(orphans.is_empty(), "{orphans:?}");
+        let plan = db.explain(sweep).await;
+        let n = rows_read(&plan, "intents");
+        assert!(
+            n <= 2_000.0,
+            "a sweep read {n} intents to find none among 2,000 open: {plan:#}"
+        );
+
+        // Orphans are still found, the lowest ids first, as many as asked for.
+        db.pg
+            .batch_execute(
+                "update intents set lease_expires_at = now() - interval '1 second'
+                  where id in (300, 5000, 150);
+                 update intents set updated_at = now() - interval '1 hour'
+                  where id in (2001, 51);",
+            )
+            .await
+            .expect("orphans");
+        let orphans = db.rows("begin; execute o(60, 4, '{}'); rollback").await;
+        let ids: Vec<&str> = orphans.iter().map(|r| r[0].1.as_str()).collect();
+        assert_eq!(ids, ["51", "150", "300", "2001"]);
+        db.drop().await;
+    }
 }
