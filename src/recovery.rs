@@ -280,24 +280,13 @@ mod tests {
         let db = Fresh::new().await;
         // Forty-eight thousand finished keys, a thousand claims running under a live lease,
         // a thousand recorded just now: open, and none of them an orphan.
+        let status = "case when g % 50 = 0 then 'running'
+                           when g % 50 = 1 then 'pending' else 'succeeded' end";
+        db.intents(50_000, status, "g % 50 = 0").await;
         db.pg
-            .batch_execute(
-                "insert into intents (idempotency_key, tool, class, run_id, args, material,
-                                      fingerprint, args_hash, action_event_id, source_topic,
-                                      source_partition, source_offset, status, lease_owner,
-                                      lease_expires_at, lease_epoch)
-                 select 'k' || g, 'send_email', 'dangerous', 'r', '{}', '{}', 'f', 'h', 'e' || g,
-                        'actions', 0, g,
-                        case when g % 50 = 0 then 'running'
-                             when g % 50 = 1 then 'pending' else 'succeeded' end,
-                        case when g % 50 = 0 then 'relay-1' end,
-                        case when g % 50 = 0 then now() + interval '1 minute' end,
-                        case when g % 50 = 0 then 1 else 0 end
-                   from generate_series(1, 50000) g;
-                 analyze intents;",
-            )
+            .batch_execute("analyze intents")
             .await
-            .expect("fill");
+            .expect("analyze");
         let prepare = format!("prepare o(float8, int8, int8[]) as {SELECT_ORPHANS}");
         db.pg.batch_execute(&prepare).await.expect("prepare");
         let sweep = "execute o(60, 100, '{}')";

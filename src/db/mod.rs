@@ -81,6 +81,11 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "0013_first_delivery_on_the_intent",
         include_str!("../../schemas/postgres/0013_first_delivery_on_the_intent.sql"),
     ),
+    (
+        14,
+        "0014_resolutions_by_intent",
+        include_str!("../../schemas/postgres/0014_resolutions_by_intent.sql"),
+    ),
 ];
 
 /// Lets `?` turn a driver error into a stage's error whose `Db` variant wraps [`DbError`]: the

@@ -33,6 +33,25 @@ impl Fresh {
         }
     }
 
+    /// Intents `1..=n` of a dangerous tool, in id order: key `k{g}`, action event `e{g}` at
+    /// offset `g`, `traceparent` `tp-k{g}`, with the status the SQL expression `status` gives
+    /// for `g`; those for which `leased` is true hold a live lease (epoch 1) of `relay-1`.
+    pub async fn intents(&self, n: i64, status: &str, leased: &str) {
+        let fill = format!(
+            "insert into intents (idempotency_key, tool, class, run_id, args, material,
+                                  fingerprint, args_hash, action_event_id, source_topic,
+                                  source_partition, source_offset, traceparent, status,
+                                  lease_owner, lease_expires_at, lease_epoch)
+             select 'k' || g, 'send_email', 'dangerous', 'r', '{{}}', '{{}}', 'f', 'h', 'e' || g,
+                    'actions', 0, g, 'tp-k' || g, {status},
+                    case when {leased} then 'relay-1' end,
+                    case when {leased} then now() + interval '1 minute' end,
+                    case when {leased} then 1 else 0 end
+               from generate_series(1, {n}) g"
+        );
+        self.pg.batch_execute(&fill).await.expect("intents");
+    }
+
     /// The rows of `sql` (simple protocol), each as (column, text) pairs.
     pub async fn rows(&self, sql: &str) -> Vec<Vec<(String, String)>> {
         let messages = self.pg.simple_query(sql).await.expect(sql);

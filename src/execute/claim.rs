@@ -355,22 +355,9 @@ mod tests {
         db.rows(&format!("begin; {}; rollback", fence("1", "1", "1")))
             .await;
         // Five thousand claims running, fifteen thousand keys finished.
-        db.pg
-            .batch_execute(
-                "insert into intents (idempotency_key, tool, class, run_id, args, material,
-                                      fingerprint, args_hash, action_event_id, source_topic,
-                                      source_partition, source_offset, status, lease_owner,
-                                      lease_expires_at, lease_epoch)
-                 select 'k' || g, 'send_email', 'dangerous', 'r', '{}', '{}', 'f', 'h', 'e' || g,
-                        'actions', 0, g,
-                        case when g % 4 = 0 then 'running' else 'succeeded' end,
-                        case when g % 4 = 0 then 'relay-1' end,
-                        case when g % 4 = 0 then now() + interval '1 minute' end,
-                        case when g % 4 = 0 then 1 else 0 end
-                   from generate_series(1, 20000) g",
-            )
-            .await
-            .expect("fill");
+        let running = "g % 4 = 0";
+        let status = format!("case when {running} then 'running' else 'succeeded' end");
+        db.intents(20_000, &status, running).await;
 
         // Ten running claims fenced, one of them (id 40) lost to another epoch.
         let read = fence(

@@ -17,6 +17,12 @@ const BATCH: i64 = 250;
 
 // Finished keys past retention whose run waits on nothing, in batches. Their deliveries and
 // attempts go with them (a trigger on intents, schema migration 12); a tombstone stays.
+//
+// Oldest first, in the order of the index of finished keys (`intents_finished`: tool, time).
+// Ordered by id, a generic plan (or one made on statistics taken during a backlog) walked the
+// primary key for the first expired keys, through every key of every tool, locking what it met:
+// the last batches after a backlog read the whole table (87,180 intents for 100, in the test).
+// The locks skip what others hold, so their order cannot deadlock.
 const PRUNE_TOOL: &str = "
     with doomed as (
         select i.id from intents i
@@ -29,7 +35,7 @@ const PRUNE_TOOL: &str = "
            and not exists (select 1 from intents j
                             where j.run_id = i.run_id
                               and j.status in ('pending_approval', 'unknown'))
-         order by i.id
+         order by i.finished_at
          limit $4
          for update skip locked
     ), gone as (
@@ -166,5 +172,91 @@ mod tests {
         assert_eq!(pace(0.1).pause_after(batch), Duration::from_millis(180));
         assert_eq!(pace(0.5).pause_after(batch), batch);
         assert_eq!(pace(1.0).pause_after(batch), Duration::ZERO);
+    }
+
+    // A relay prunes in batches, on a statement it prepares once; after five runs Postgres may
+    // keep a generic plan for it. Once a backlog of expired keys is worked off, a batch finds
+    // the last few among keys not yet expired: it must read those few, not walk every intent
+    // (holding the locks it took meanwhile, which repeats of those keys would wait for).
+    #[tokio::test]
+    async fn a_prune_batch_reads_the_expired_keys_not_every_intent() {
+        use crate::db::plans::{rows_read, Fresh};
+        let db = Fresh::new().await;
+        // A hundred thousand keys of five tools finished over eight days, analyzed; then the
+        // expired ones pruned (and those an hour from expiring) but the last hundred of one tool.
+        db.intents(100_000, "'succeeded'", "false").await;
+        db.pg
+            .batch_execute(
+                "update intents set tool = 'tool' || (id % 5), run_id = 'r' || (id % 20000),
+                                    finished_at = now() - make_interval(secs => (100000 - id) * 6.912);
+                 analyze intents;
+                 delete from intents where finished_at < now() - interval '167 hours'
+                    and id not in (select id from intents
+                                    where tool = 'tool0'
+                                      and finished_at < now() - interval '169 hours'
+                                    order by id desc limit 100);",
+            )
+            .await
+            .expect("fill");
+        let prepare = format!("prepare p(text, float8, float8, int8) as {PRUNE_TOOL}");
+        db.pg.batch_execute(&prepare).await.expect("prepare");
+        let week = 7.0 * 86_400.0;
+        let batch = format!("execute p('tool0', {week}, {week}, 250)");
+
+        let pruned = db.rows(&format!("begin; {batch}; rollback")).await;
+        assert_eq!(pruned[0][0].1, "100");
+        let plan = db.explain(&batch).await;
+        let n = rows_read(&plan, "intents");
+        assert!(
+            n <= 250.0,
+            "a batch read {n} intents to prune the last 100 expired of 87,500: {plan:#}"
+        );
+        db.drop().await;
+    }
+
+    // A person's decisions (resolutions) go with their pruned key by a foreign key's cascade:
+    // for each pruned key Postgres deletes its resolutions, which must be found by index, not
+    // by reading every decision ever made.
+    #[tokio::test]
+    async fn pruning_a_key_finds_its_resolutions_by_index() {
+        use crate::db::plans::Fresh;
+        let db = Fresh::new().await;
+        // Six thousand finished keys, the 250 oldest past a week's retention; five thousand
+        // decisions recorded on the others. The relay prunes on the server's settings.
+        db.intents(6_000, "'succeeded'", "false").await;
+        db.pg
+            .batch_execute(
+                "update intents set finished_at = now() - case when id <= 250
+                                    then interval '30 days' else interval '1 minute' end;
+                 insert into resolutions (intent_id, idempotency_key, from_status, resolved_as,
+                                          resolved_by, reason)
+                 select id, idempotency_key, 'unknown', 'succeeded', 'ops', 'checked downstream'
+                   from intents where id > 1000;
+                 analyze intents, resolutions;
+                 set enable_seqscan = on; set plan_cache_mode = auto;",
+            )
+            .await
+            .expect("fill");
+        let prepare = format!("prepare p(text, float8, float8, int8) as {PRUNE_TOOL}");
+        db.pg.batch_execute(&prepare).await.expect("prepare");
+
+        let read = db
+            .rows(
+                "begin;
+                 execute p('send_email', 604800, 604800, 250);
+                 select seq_tup_read, coalesce(idx_scan, 0) as idx_scan
+                   from pg_stat_xact_user_tables
+                  where relname = 'resolutions' and schemaname = current_schema();
+                 rollback",
+            )
+            .await;
+        assert_eq!(read[0][0].1, "250", "the batch pruned the 250 expired keys");
+        let (scanned, probes) = (&read[1][0].1, &read[1][1].1);
+        assert_eq!(
+            (scanned.as_str(), probes.as_str()),
+            ("0", "250"),
+            "pruning 250 keys read {scanned} resolutions sequentially, probed {probes} times"
+        );
+        db.drop().await;
     }
 }
