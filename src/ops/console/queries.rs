@@ -60,7 +60,8 @@ pub const SEARCH_BUDGET: &str = "5s";
 #[derive(Debug, Clone)]
 pub struct Found {
     pub rows: Vec<KeyRow>,
-    /// The scan by run id or business id ran out of time: older keys were not looked at.
+    /// The scan by run id or business id ran out of time: the statement was cancelled, so
+    /// `rows` holds the exact key's match alone.
     pub cut_short: bool,
 }
 
