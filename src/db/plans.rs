@@ -13,6 +13,8 @@ use crate::config::PostgresConfig;
 /// A migrated schema of its own and a data-path connection to it; dropped by [`Fresh::drop`].
 pub(crate) struct Fresh {
     pub schema: String,
+    /// Where the schema is, for a pool of another kind.
+    pub cfg: PostgresConfig,
     pub pg: Object,
 }
 
@@ -28,7 +30,8 @@ impl Fresh {
         let pool = super::data_path_pool(&cfg).expect("pool");
         let pg = pool.get().await.expect("connection");
         Fresh {
-            schema: cfg.schema,
+            schema: cfg.schema.clone(),
+            cfg,
             pg,
         }
     }

@@ -195,7 +195,7 @@ pub fn search(session: &Session, q: &str, rows: &[KeyRow], cut_short: bool) -> S
         banner(
             "error",
             &format!(
-                "The search by run id or business id reads the keys newest first (neither has an index) and ran out of its {}: none of its matches are shown. An exact key is always found.",
+                "The search by run id or business id walks the keys newest first and stopped after {}: older keys were not looked at. An exact key is always found.",
                 super::queries::SEARCH_BUDGET
             ),
         )
