@@ -24,8 +24,8 @@ use crate::outcome::{FinishError, Guard, OutcomeStatus, Settled};
 ///
 /// Ordered by `id + 0`, an expression no index gives: by `id`, the plan could walk the primary
 /// key for the first `$2` matches, and a sweep usually finds none, so whenever the open intents
-/// were a percent or more of the table (a backlog of pending ones) every sweep read the whole
-/// table. The open ones are found through their partial index and sorted; locks are still
+/// were a percent or more of the table (a young table, a high `concurrency`) every sweep read
+/// the whole table. The open ones are found through their partial index and sorted; locks are still
 /// taken in id order.
 const SELECT_ORPHANS: &str = "
     select id, status, class, tool
@@ -273,8 +273,8 @@ mod tests {
 
     // Every sweep looks for orphans, and there are usually none. Ordered by id with a limit,
     // the plan could walk the primary key hoping to meet the limit early, reading every intent
-    // to find none, whenever the open intents were a percent or more of the table (a backlog
-    // of pending ones, a young schema).
+    // to find none, whenever the open intents were a percent or more of the table (a young
+    // table, a high `concurrency`).
     #[tokio::test]
     async fn the_sweep_for_orphans_reads_open_intents_not_the_table() {
         let db = Fresh::new().await;
