@@ -198,7 +198,12 @@ mod tests {
             )
             .await
             .expect("fill");
-        let prepare = format!("prepare p(text, float8, float8, int8) as {PRUNE_TOOL}");
+        // Pruning runs on the general pool: the server's settings, and the generic plan it may
+        // keep after five runs.
+        let prepare = format!(
+            "set enable_seqscan = on; set plan_cache_mode = force_generic_plan;
+             prepare p(text, float8, float8, int8) as {PRUNE_TOOL}"
+        );
         db.pg.batch_execute(&prepare).await.expect("prepare");
         let week = 7.0 * 86_400.0;
         let batch = format!("execute p('tool0', {week}, {week}, 250)");

@@ -195,8 +195,8 @@ pub fn search(session: &Session, q: &str, rows: &[KeyRow], cut_short: bool) -> S
         banner(
             "error",
             &format!(
-                "The search by run id or business id walks the keys newest first and stopped after {}: older keys were not looked at. An exact key is always found.",
-                super::queries::SEARCH_BUDGET
+                "The search by run id or business id walks the keys newest first and stopped after {} s: older keys were not looked at. An exact key is always found.",
+                super::queries::SEARCH_BUDGET.as_secs()
             ),
         )
     } else {
