@@ -1,8 +1,11 @@
-//! For tests of the data path's plans: a fresh schema on the test Postgres, reached with the
-//! data path's session settings, and what `explain (analyze, format json)` says a statement read.
-//! A prepared statement keeps the generic plan of its first execution until something (a vacuum
-//! or an analyze of a table it reads) makes the connection plan it again, so these tests make
-//! that plan on small tables, grow them, and count the rows read.
+//! For tests of what a statement reads: a fresh schema on the test Postgres, reached with the
+//! data path's session settings (a test of another pool's statement sets that pool's), and what
+//! `explain (analyze, format json)` says each scan read. A prepared statement keeps the generic
+//! plan of its first execution until something (a vacuum or an analyze of a table it reads)
+//! makes the connection plan it again, and one planned at each call follows the statistics of
+//! the moment; so these tests make the plan on small tables, or leave the statistics behind,
+//! grow the tables, and count the rows read. A test that fails leaves its schema, which the
+//! test command drops on its next run (as it drops every test's).
 
 use deadpool_postgres::Object;
 use serde_json::Value;
