@@ -514,15 +514,11 @@ fn count(metrics: &Metrics, origins: &[(String, Origin)], rejections: &[(String,
     }
     for ((tool, origin), n) in by_origin {
         metrics.consumed(origin, n);
-        match origin {
-            Origin::Redelivery | Origin::ProducerRetry | Origin::Replay | Origin::ModelRetry => {
-                metrics.duplicate(tool, origin, n)
-            }
-            Origin::Conflict => {
-                metrics.conflict(tool, n);
-                metrics.rejection(tool, ErrorCode::KeyConflict.as_str(), n);
-            }
-            Origin::First | Origin::DeadLetter => {}
+        if origin.is_duplicate() {
+            metrics.duplicate(tool, origin, n);
+        } else if origin == Origin::Conflict {
+            metrics.conflict(tool, n);
+            metrics.rejection(tool, ErrorCode::KeyConflict.as_str(), n);
         }
     }
     let mut by_code: BTreeMap<(&str, &str), u64> = BTreeMap::new();

@@ -8,6 +8,7 @@ use serde_json::{Map, Value};
 use tokio_postgres::{GenericClient, Row};
 
 use crate::db::DbError;
+use crate::intent::IntentStatus;
 
 /// An intent claimed for execution.
 #[derive(Debug, Clone)]
@@ -284,9 +285,6 @@ const FENCE_MANY: &str = "
     )
     select id from f";
 
-/// The status a fenced claim must still have (FENCE_MANY's $5).
-const RUNNING: &str = "running";
-
 /// One claim to re-check before its first send.
 #[derive(Debug, Clone, Copy)]
 pub struct Fence {
@@ -306,7 +304,16 @@ pub async fn fence_many(
     let seqs: Vec<i32> = items.iter().map(|f| f.seq).collect();
     let statement = client.prepare_cached(FENCE_MANY).await?;
     Ok(client
-        .query(&statement, &[&ids, &epochs, &seqs, &lease_secs, &RUNNING])
+        .query(
+            &statement,
+            &[
+                &ids,
+                &epochs,
+                &seqs,
+                &lease_secs,
+                &IntentStatus::Running.as_str(),
+            ],
+        )
         .await?
         .iter()
         .map(|r| r.get(0))

@@ -341,10 +341,12 @@ impl Publisher {
             .iter()
             .map(|r| serde_json::from_str(&r.payload).unwrap_or_default())
             .collect();
-        let answered: Vec<&str> = events
+        // The action event each outcome answers.
+        let answers: Vec<Option<&str>> = events
             .iter()
-            .filter_map(|e| e["data"]["action_event_id"].as_str())
+            .map(|e| e["data"]["action_event_id"].as_str())
             .collect();
+        let answered: Vec<&str> = answers.iter().flatten().copied().collect();
         let intents = match self.pool.get().await {
             Ok(client) => client.query(TRACED_INTENTS, &[&keys, &answered]).await.ok(),
             Err(_) => None,
@@ -355,9 +357,8 @@ impl Publisher {
         };
         let now = std::time::SystemTime::now();
         let outcomes = &self.config.kafka.outcomes_topic;
-        for (row, event) in rows.iter().zip(&events) {
+        for ((row, event), answers) in rows.iter().zip(&events).zip(answers) {
             // A key's intent, or a read-only call's: the one this outcome answers.
-            let answers = event["data"]["action_event_id"].as_str();
             let Some(intent) = intents.iter().find(|i| {
                 i.get::<_, &str>(0) == row.key
                     && i.get::<_, Option<&str>>(3)
