@@ -122,6 +122,43 @@ async fn approval_gates_execution_and_binds_to_the_request() {
     relay.stop().await;
 }
 
+/// Keys nobody decides on are rejected at their tool's approval timeout, without running; the
+/// timeout's decision is on record, and a repeat afterwards gets that answer.
+#[tokio::test]
+async fn keys_nobody_decides_on_are_rejected_at_the_approval_timeout() {
+    let env = Env::new().await;
+    let outcomes = env.outcomes().await;
+    let tools = format!("{REFUND}approval_timeout = \"2s\"\n");
+    let relay = env.start(env.config(&tools, "").await).await;
+    let p = env.producer();
+    let ids: Vec<String> = (0..40).map(|i| format!("e{i}")).collect();
+    for (i, id) in ids.iter().enumerate() {
+        p.send(&action(id, refund("r3", &format!("o{i}"), 10, "x")))
+            .await;
+    }
+    for id in &ids {
+        outcomes.answer(id, "pending_approval").await;
+    }
+    for id in &ids {
+        let rejected = outcomes.answer(id, "rejected").await;
+        assert_eq!(
+            rejected["data"]["error"]["code"], "approval_timeout",
+            "{rejected}"
+        );
+    }
+    let e = common::explain(&env, "r3:refund:ticket-7:o0").await;
+    assert_eq!(e["status"], "rejected", "{e}");
+    assert_eq!(e["approvals"][0]["decision"], "expired", "{e}");
+    assert_eq!(e["approvals"][0]["by"], "idem", "{e}");
+
+    p.send(&action("again", refund("r3", "o0", 10, "x"))).await;
+    let again = outcomes.answer("again", "rejected").await;
+    assert_eq!(again["data"]["duplicate"], true, "{again}");
+    assert_eq!(again["data"]["error"]["code"], "approval_timeout");
+    assert_eq!(env.downstream.total_effects(), 0, "nothing ran");
+    relay.stop().await;
+}
+
 fn write_config(env: &Env, tools: &str) -> String {
     let path = std::env::temp_dir().join(format!("{}.toml", env.schema));
     std::fs::write(&path, env.config_text(tools, "")).unwrap();

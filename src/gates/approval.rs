@@ -132,7 +132,9 @@ const EXPIRED_APPROVALS: &str = "
      limit 500
      for update skip locked";
 
-/// Rejects keys that waited for approval longer than their tool's `approval_timeout`.
+/// Rejects keys that waited for approval longer than their tool's `approval_timeout`: up to 500
+/// of a tool's per transaction, their decisions and finishes pipelined, so the keys are held
+/// locked for a few round trips rather than four each (a repeat of one waits for the lock).
 pub async fn expire_approvals(
     pool: &Pool,
     config: &crate::config::Config,
@@ -147,25 +149,26 @@ pub async fn expire_approvals(
         let mut client = pool.get().await?;
         let tx = client.transaction().await?;
         let timeout = tool.approval_timeout.as_secs_f64();
-        for row in tx.query(EXPIRED_APPROVALS, &[&tool.name, &timeout]).await? {
+        let reason = format!("nobody decided within {}s", tool.approval_timeout.as_secs());
+        let settled = Settled {
+            status: OutcomeStatus::Rejected,
+            result: None,
+            error: Some(ErrorCode::ApprovalTimeout.error(reason.clone())),
+            attempts: 0,
+        };
+        let due = tx.query(EXPIRED_APPROVALS, &[&tool.name, &timeout]).await?;
+        let (open, reason, settled, channel) = (&tx, &reason, &settled, &channel);
+        let expire = due.iter().map(|row| async move {
             let (id, key, fp): (i64, String, String) = (row.get(0), row.get(1), row.get(2));
-            let reason = format!("nobody decided within {}s", tool.approval_timeout.as_secs());
-            tx.execute(
+            open.execute(
                 RECORD_DECISION,
-                &[&id, &key, &fp, &"expired", &"idem", &reason],
+                &[&id, &key, &fp, &"expired", &"idem", reason],
             )
             .await?;
-            let settled = Settled {
-                status: OutcomeStatus::Rejected,
-                result: None,
-                error: Some(ErrorCode::ApprovalTimeout.error(reason)),
-                attempts: 0,
-            };
-            let parked = IntentStatus::PendingApproval;
-            if finish_parked(&tx, id, parked, &settled, &channel).await? {
-                expired += 1;
-            }
-        }
+            finish_parked(open, id, IntentStatus::PendingApproval, settled, channel).await
+        });
+        let finished = futures::future::try_join_all(expire).await?;
+        expired += finished.into_iter().filter(|f| *f).count();
         tx.commit().await?;
     }
     Ok(expired)
