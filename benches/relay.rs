@@ -38,7 +38,7 @@ use idem::fake_downstream::FakeDownstream;
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::client::DefaultClientContext;
 use rdkafka::config::ClientConfig;
-use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
+use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, StreamConsumer};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::Message;
 use serde_json::{json, Value};
@@ -820,26 +820,32 @@ verify = {{ url = "http://{addr}/v1/effects/{{key}}" }}
     // Action event id → when the collector saw its first outcome, and that outcome's Kafka
     // timestamp (when the relay handed it to its producer).
     let answered: Arc<Mutex<HashMap<String, (Instant, i64)>>> = Arc::default();
-    let consumer: StreamConsumer = bench_client()
+    let consumer: BaseConsumer = bench_client()
         .set("group.id", format!("{base}.collector"))
         .set("auto.offset.reset", "earliest")
         .set("enable.auto.commit", "false")
         .create()
         .unwrap();
     consumer.subscribe(&[&outcomes]).unwrap();
+    // A thread of its own, as a consumer of outcomes would be a process of its own: a task on
+    // the runtime that also sends the actions and serves the fake downstream waited behind them
+    // for a worker before it could stamp what it had received.
     let collector = {
         let answered = answered.clone();
         let stop = stop.clone();
-        tokio::spawn(async move {
-            loop {
-                tokio::select! {
-                    _ = stop.cancelled() => return,
-                    m = consumer.recv() => if let Ok(m) = m {
-                        if let Some(id) = m.payload().and_then(answered_id) {
-                            let produced = m.timestamp().to_millis().unwrap_or(0);
-                            answered.lock().unwrap().entry(id).or_insert_with(|| (Instant::now(), produced));
-                        }
-                    }
+        std::thread::spawn(move || {
+            while !stop.is_cancelled() {
+                let Some(Ok(m)) = consumer.poll(Duration::from_millis(100)) else {
+                    continue;
+                };
+                let seen = Instant::now();
+                if let Some(id) = m.payload().and_then(answered_id) {
+                    let produced = m.timestamp().to_millis().unwrap_or(0);
+                    answered
+                        .lock()
+                        .unwrap()
+                        .entry(id)
+                        .or_insert((seen, produced));
                 }
             }
         })
@@ -993,7 +999,7 @@ verify = {{ url = "http://{addr}/v1/effects/{{key}}" }}
         .status();
     let _ = child.wait();
     stop.cancel();
-    let _ = collector.await;
+    let _ = tokio::task::spawn_blocking(move || collector.join()).await;
     // A run's own schema goes with it; one named by IDEM_BENCH_SCHEMA stays for the next run.
     if std::env::var("IDEM_BENCH_SCHEMA").is_err() {
         if let Err(e) = pg
