@@ -66,8 +66,8 @@ impl BatchLinger {
     /// 1,000/s down by a fifth, and 5 ms raised p50 more than it saved. The gap: a burst the
     /// broker hands out in two or three fetches (it answers a waiting fetch as soon as the
     /// first partition of a produce request is appended) comes in within a few hundred
-    /// microseconds; waiting the whole 2 ms after it had added 2 ms to p50 (README,
-    /// Performance).
+    /// microseconds; waiting the whole 2 ms after it had added 2 ms to p50
+    /// (`benches/HISTORY.md`).
     pub const AUTO: BatchLinger = BatchLinger::WhileBusy {
         most: Duration::from_millis(2),
         gap: Duration::from_micros(500),

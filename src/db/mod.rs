@@ -449,7 +449,7 @@ pub async fn commit_with<T>(
 /// for `jsonb` (a version byte, then the text) as `serde_json::Value` is, without building one.
 /// Postgres parses it as it would the same JSON from a `Value`. Sent as `text` and cast to
 /// `jsonb` in the statement instead, the outbox insert took 25–26 µs per action against 17–19
-/// (`pg_stat_statements`, flat out; README, Performance).
+/// (`pg_stat_statements`, flat out; `benches/HISTORY.md`).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct JsonbText<'a>(pub &'a str);
 

@@ -48,7 +48,7 @@ const GROUP_WORKERS: usize = 2;
 /// Finish groups in flight at once: one. Calls that end while a group commits wait for the next
 /// group, so groups are larger and commits fewer: at 1,000 actions/s, 1.04-1.08 commits per
 /// action against 1.39 with two in flight, Postgres CPU down a tenth, flat out 7,200 actions/s
-/// against 6,500-6,800 (README, Performance).
+/// against 6,500-6,800 (`benches/HISTORY.md`).
 const FINISH_WORKERS: usize = 1;
 
 /// One request to a group commit, its failure as the executor's error.

@@ -182,7 +182,7 @@ pub fn producer(cfg: &KafkaConfig) -> Result<FutureProducer, KafkaError> {
             // No linger: the outbox publisher hands over a whole round of rows at once, so
             // batches form without it. Paced at 1,000 actions/s, 2 ms of linger cost 3.5 ms of
             // p50 (each round waited for it before its rows could be marked); flat out it made
-            // no measurable difference (see the README's Performance section).
+            // no measurable difference (`benches/HISTORY.md`).
             ("linger.ms", "0"),
             ("compression.type", "lz4"),
             ("message.timeout.ms", "30000"),
