@@ -136,15 +136,19 @@ async fn keys_nobody_decides_on_are_rejected_at_the_approval_timeout() {
         p.send(&action(id, refund("r3", &format!("o{i}"), 10, "x")))
             .await;
     }
+    let time = |o: &serde_json::Value| {
+        chrono::DateTime::parse_from_rfc3339(o["time"].as_str().expect("a time")).expect("rfc3339")
+    };
     for id in &ids {
-        outcomes.answer(id, "pending_approval").await;
-    }
-    for id in &ids {
+        let parked = outcomes.answer(id, "pending_approval").await;
         let rejected = outcomes.answer(id, "rejected").await;
         assert_eq!(
             rejected["data"]["error"]["code"], "approval_timeout",
             "{rejected}"
         );
+        // Not before the timeout (the parked answer is written just after the key's record).
+        let waited = time(&rejected) - time(&parked);
+        assert!(waited >= chrono::TimeDelta::milliseconds(1500), "{waited}");
     }
     let e = common::explain(&env, "r3:refund:ticket-7:o0").await;
     assert_eq!(e["status"], "rejected", "{e}");

@@ -167,9 +167,25 @@ pub async fn expire_approvals(
             .await?;
             finish_parked(open, id, IntentStatus::PendingApproval, settled, channel).await
         });
-        let finished = futures::future::try_join_all(expire).await?;
-        expired += finished.into_iter().filter(|f| *f).count();
+        let mut failure = None;
+        for result in futures::future::join_all(expire).await {
+            match result {
+                Ok(finished) => expired += usize::from(finished),
+                // After one statement fails, every one pipelined behind it fails as "current
+                // transaction is aborted": report the one that failed first.
+                Err(e) if failure.as_ref().is_none_or(aborted) => failure = Some(e),
+                Err(_) => {}
+            }
+        }
+        if let Some(e) = failure {
+            return Err(e);
+        }
         tx.commit().await?;
     }
     Ok(expired)
+}
+
+/// Whether `e` is Postgres refusing a statement because an earlier one in its transaction failed.
+fn aborted(e: &DbError) -> bool {
+    matches!(e, DbError::Postgres(e) if e.code() == Some(&tokio_postgres::error::SqlState::IN_FAILED_SQL_TRANSACTION))
 }

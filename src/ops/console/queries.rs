@@ -217,7 +217,18 @@ async fn last_hour(
 
 pub async fn overview(pool: &Pool) -> Result<Overview, DbError> {
     let mut client = pool.get().await?;
-    let (by_tool_status, by_origin) = last_hour(&client).await?;
+    // One snapshot for both counts, as when they were one statement.
+    let (by_tool_status, by_origin) = {
+        let tx = client
+            .build_transaction()
+            .isolation_level(tokio_postgres::IsolationLevel::RepeatableRead)
+            .read_only(true)
+            .start()
+            .await?;
+        let counts = last_hour(&tx).await?;
+        tx.commit().await?;
+        counts
+    };
     let outbox = {
         let tx = client.transaction().await?;
         let lag = outbox_lag(&tx).await?;
