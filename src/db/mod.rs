@@ -208,6 +208,12 @@ impl DbError {
         }
     }
 
+    /// Whether Postgres refused the statement only because an earlier one in its transaction
+    /// failed (as every statement pipelined behind a failed one is).
+    pub fn follows_a_failure(&self) -> bool {
+        matches!(self, DbError::Postgres(e) if e.code() == Some(&SqlState::IN_FAILED_SQL_TRANSACTION))
+    }
+
     /// Whether retrying the same work may succeed once the database is back.
     pub fn is_transient(&self) -> bool {
         self.fault() == Fault::Unavailable

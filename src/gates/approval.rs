@@ -173,7 +173,9 @@ pub async fn expire_approvals(
                 Ok(finished) => expired += usize::from(finished),
                 // After one statement fails, every one pipelined behind it fails as "current
                 // transaction is aborted": report the one that failed first.
-                Err(e) if failure.as_ref().is_none_or(aborted) => failure = Some(e),
+                Err(e) if failure.as_ref().is_none_or(DbError::follows_a_failure) => {
+                    failure = Some(e)
+                }
                 Err(_) => {}
             }
         }
@@ -183,9 +185,4 @@ pub async fn expire_approvals(
         tx.commit().await?;
     }
     Ok(expired)
-}
-
-/// Whether `e` is Postgres refusing a statement because an earlier one in its transaction failed.
-fn aborted(e: &DbError) -> bool {
-    matches!(e, DbError::Postgres(e) if e.code() == Some(&tokio_postgres::error::SqlState::IN_FAILED_SQL_TRANSACTION))
 }

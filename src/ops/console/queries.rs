@@ -217,25 +217,15 @@ async fn last_hour(
 
 pub async fn overview(pool: &Pool) -> Result<Overview, DbError> {
     let mut client = pool.get().await?;
-    // One snapshot for both counts, as when they were one statement.
-    let (by_tool_status, by_origin) = {
-        let tx = client
-            .build_transaction()
-            .isolation_level(tokio_postgres::IsolationLevel::RepeatableRead)
-            .read_only(true)
-            .start()
-            .await?;
-        let counts = last_hour(&tx).await?;
-        tx.commit().await?;
-        counts
-    };
-    let outbox = {
-        let tx = client.transaction().await?;
-        let lag = outbox_lag(&tx).await?;
-        tx.commit().await?;
-        lag
-    };
-    let leases = client
+    // One snapshot for the whole page; the outbox lag last, as it changes a setting.
+    let tx = client
+        .build_transaction()
+        .isolation_level(tokio_postgres::IsolationLevel::RepeatableRead)
+        .read_only(true)
+        .start()
+        .await?;
+    let (by_tool_status, by_origin) = last_hour(&tx).await?;
+    let leases = tx
         .query(
             "select lease_owner, count(*),
                     to_char(max(lease_expires_at) at time zone 'UTC', 'YYYY-MM-DD HH24:MI:SS')
@@ -247,11 +237,13 @@ pub async fn overview(pool: &Pool) -> Result<Overview, DbError> {
         .iter()
         .map(|r| (r.get(0), r.get(1), r.get(2)))
         .collect();
+    let (outbox_pending, outbox_oldest_secs) = outbox_lag(&tx).await?;
+    tx.commit().await?;
     Ok(Overview {
         by_tool_status,
         by_origin,
-        outbox_pending: outbox.0,
-        outbox_oldest_secs: outbox.1,
+        outbox_pending,
+        outbox_oldest_secs,
         leases,
     })
 }
