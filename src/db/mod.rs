@@ -86,6 +86,11 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "0014_resolutions_by_intent",
         include_str!("../../schemas/postgres/0014_resolutions_by_intent.sql"),
     ),
+    (
+        15,
+        "0015_dead_letters_by_age",
+        include_str!("../../schemas/postgres/0015_dead_letters_by_age.sql"),
+    ),
 ];
 
 /// Lets `?` turn a driver error into a stage's error whose `Db` variant wraps [`DbError`]: the

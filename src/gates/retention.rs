@@ -62,12 +62,15 @@ const PRUNE_TOMBSTONES: &str = "
     )
     select count(*) from gone";
 
+// The expired dead letters by age (`deliveries_dead_letters`), then each deleted by its id: as
+// `id in (select …)` Postgres could join the batch's ids to a scan of every delivery.
 const PRUNE_DEAD_LETTER_DELIVERIES: &str = "
     with gone as (
-        delete from deliveries where id in (
+        delete from deliveries where id = any(array(
             select id from deliveries
              where intent_id is null and received_at < now() - make_interval(secs => $1)
-             limit $2)
+             order by received_at
+             limit $2))
         returning 1
     )
     select count(*) from gone";
@@ -261,6 +264,87 @@ mod tests {
             (scanned.as_str(), probes.as_str()),
             ("0", "250"),
             "pruning 250 keys read {scanned} resolutions sequentially, probed {probes} times"
+        );
+        db.drop().await;
+    }
+
+    // Dead letters are pruned at the shortest retention. Most passes find none or a few past it
+    // among many still kept (a burst of poison messages is kept for days): a pass must read
+    // those few, not every dead letter within retention, nor the deliveries of live keys.
+    #[tokio::test]
+    async fn a_dead_letter_prune_reads_the_expired_dead_letters_not_every_one() {
+        use crate::db::plans::{rows_read, Fresh};
+        let db = Fresh::new().await;
+        // Eight days of deliveries, in the order they came: 50,000, every fifth a dead letter
+        // (10,000), the others repeats of 20,000 live keys. All but the last hundred dead
+        // letters past a week are pruned already. (No delivery is within seconds of the week.)
+        db.intents(20_000, "'succeeded'", "false").await;
+        db.pg
+            .batch_execute(
+                "insert into deliveries (intent_id, idempotency_key, action_event_id,
+                                         source_topic, source_partition, source_offset,
+                                         origin, answered, received_at)
+                 select case when g % 5 <> 0 then g % 20000 + 1 end, 'k' || (g % 20000 + 1),
+                        'd' || g, 'actions', 0, g,
+                        case when g % 5 = 0 then 'dead_letter' else 'replay' end, true,
+                        now() - make_interval(secs => (50000 - g) * 13.824 + 6.9)
+                   from generate_series(1, 50000) g;
+                 delete from deliveries
+                  where intent_id is null and received_at < now() - interval '7 days'
+                    and id not in (select id from deliveries
+                                    where intent_id is null
+                                      and received_at < now() - interval '7 days'
+                                    order by id desc limit 100);
+                 analyze intents, deliveries;
+                 set enable_seqscan = on; set plan_cache_mode = auto;",
+            )
+            .await
+            .expect("fill");
+        let prepare = format!("prepare p(float8, int8) as {PRUNE_DEAD_LETTER_DELIVERIES}");
+        db.pg.batch_execute(&prepare).await.expect("prepare");
+        let batch = "execute p(604800, 250)";
+
+        let pruned = db.rows(&format!("begin; {batch}; rollback")).await;
+        assert_eq!(pruned[0][0].1, "100", "the hundred expired dead letters");
+        let plan = db.explain(batch).await;
+        let n = rows_read(&plan, "deliveries");
+        assert!(
+            n <= 500.0,
+            "pruning the last 100 expired dead letters read {n} deliveries (8,650 dead letters \
+             within retention, 40,000 deliveries of live keys): {plan:#}"
+        );
+        db.drop().await;
+    }
+
+    // Tombstones outlive their keys by `tombstone_retention`, so a schema that has pruned
+    // millions of keys keeps millions of them. A pass that finds the last few expired must read
+    // those few.
+    #[tokio::test]
+    async fn a_tombstone_prune_reads_the_expired_tombstones_not_every_one() {
+        use crate::db::plans::{rows_read, Fresh};
+        let db = Fresh::new().await;
+        db.pg
+            .batch_execute(
+                "insert into tombstones (key_hash, fingerprint_hash, tool, status, expires_at)
+                 select md5('k' || g), 'f', 'send_email', 'succeeded',
+                        now() + make_interval(secs => (g - 100) * 60 - 30)
+                   from generate_series(1, 50000) g;
+                 analyze tombstones;
+                 set enable_seqscan = on; set plan_cache_mode = auto;",
+            )
+            .await
+            .expect("fill");
+        let prepare = format!("prepare p(int8) as {PRUNE_TOMBSTONES}");
+        db.pg.batch_execute(&prepare).await.expect("prepare");
+        let batch = "execute p(250)";
+
+        let pruned = db.rows(&format!("begin; {batch}; rollback")).await;
+        assert_eq!(pruned[0][0].1, "100", "the hundred expired tombstones");
+        let plan = db.explain(batch).await;
+        let n = rows_read(&plan, "tombstones");
+        assert!(
+            n <= 500.0,
+            "pruning the last 100 expired tombstones read {n} of 50,000: {plan:#}"
         );
         db.drop().await;
     }

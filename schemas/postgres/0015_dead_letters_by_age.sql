@@ -1,0 +1,11 @@
+-- Dead letters (deliveries with no intent) are pruned at the shortest retention, and each pass
+-- looked for expired ones among every delivery: by their time of arrival (a block range index
+-- that also covers the deliveries of live keys) or by the null entries of `deliveries_intent`
+-- (every dead letter within retention). A pass that found few read tens of thousands of rows,
+-- and a burst of poison messages kept for a week made every pass of that week read all of it.
+-- This index holds dead letters alone, by age: a pass reads the expired ones and stops.
+--
+-- Building it reads the deliveries once (seconds per ten million rows), with writes to them
+-- waiting meanwhile. Relays of migrations 10 to 14 may run beside this one (the floor is
+-- unchanged): they prune with the same statement's earlier form, which this index serves too.
+create index deliveries_dead_letters on deliveries (received_at) where intent_id is null;
