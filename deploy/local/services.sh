@@ -111,11 +111,16 @@ pg_up() {
       pg_createcluster "$version" main -p "$pg_port" >/dev/null
     fi
     # Sized for a service that commits thousands of small transactions a second: fewer
-    # checkpoints (each is followed by full-page writes), more shared buffers than the
-    # default's 128 MB, and statement statistics for profiling. Durability stays as shipped:
-    # fsync and synchronous_commit are on.
-    cat > "/etc/postgresql/$version/main/conf.d/idem.conf" <<'CONF'
-shared_buffers = 1GB
+    # checkpoints (each is followed by full-page writes), statement statistics for profiling,
+    # and a quarter of the memory for shared buffers (up to 8 GB), where idem's indexes must
+    # fit as the tables grow: about 365 MiB per million keys kept. With ten million keys and 1
+    # GB of buffers, a new action cost Postgres a third more CPU than on an empty schema (the
+    # B-tree pages went through the OS cache); with 6 GB holding them, a fifth (benches/HISTORY.md,
+    # stop 39). Durability stays as shipped: fsync and synchronous_commit are on.
+    local buffers_mb
+    buffers_mb=$(awk '/^MemTotal:/ { mb = int($2 / 4096); print (mb > 8192 ? 8192 : (mb < 128 ? 128 : mb)) }' /proc/meminfo)
+    cat > "/etc/postgresql/$version/main/conf.d/idem.conf" <<CONF
+shared_buffers = ${buffers_mb}MB
 max_wal_size = 8GB
 checkpoint_timeout = 15min
 shared_preload_libraries = 'pg_stat_statements'
