@@ -653,6 +653,18 @@ fn tree_stats(pids: &[u32]) -> (f64, f64) {
         .fold((0.0, 0.0), |(c, r), (pc, pr)| (c + pc, r + pr))
 }
 
+/// A relay's process, killed when dropped (a run that panics) unless it has been waited for.
+struct KilledOnDrop(std::process::Child);
+
+impl Drop for KilledOnDrop {
+    fn drop(&mut self) {
+        if let Ok(None) = self.0.try_wait() {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+}
+
 /// Forwards a child's stdout to stderr; the receiver resolves when a line contains `ready`, and
 /// fails if the child closes its stdout first.
 fn ready_line(out: ChildStdout, ready: &'static str) -> tokio::sync::oneshot::Receiver<()> {
@@ -707,7 +719,7 @@ async fn run_mode(mode: &str, n: usize, opts: &Opts) -> Report {
     tokio::spawn(conn);
     let dir = tempfile::tempdir().unwrap();
     let mut old_keys = None;
-    let mut child = match mode {
+    let child = match mode {
         "idem" => {
             let config = format!(
                 r#"
@@ -814,7 +826,9 @@ verify = {{ url = "http://{addr}/v1/effects/{{key}}" }}
         }
         other => panic!("unknown mode {other}: use idem, naive, dbos or restate"),
     };
-    let pids = process_tree(child.id());
+    // Killed if the run fails before it stops the relay, so a failed run leaves no relay behind.
+    let mut child = KilledOnDrop(child);
+    let pids = process_tree(child.0.id());
 
     // Collect outcomes from the start of the topic.
     // Action event id → when the collector saw its first outcome, and that outcome's Kafka
@@ -933,6 +947,11 @@ verify = {{ url = "http://{addr}/v1/effects/{{key}}" }}
             Instant::now() < deadline,
             "{mode}: only {done} of {n} actions answered in time"
         );
+        // A relay that exited (refused to start, crashed) answers nothing more: say so now
+        // rather than at the deadline, fifteen minutes later for a long run.
+        if let Some(status) = child.0.try_wait().unwrap() {
+            panic!("{mode}: the relay exited ({status}) with {done} of {n} actions answered");
+        }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let finished = answered
@@ -995,9 +1014,9 @@ verify = {{ url = "http://{addr}/v1/effects/{{key}}" }}
         }
     }
     let _ = std::process::Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
+        .args(["-TERM", &child.0.id().to_string()])
         .status();
-    let _ = child.wait();
+    let _ = child.0.wait();
     stop.cancel();
     let _ = tokio::task::spawn_blocking(move || collector.join()).await;
     // A run's own schema goes with it; one named by IDEM_BENCH_SCHEMA stays for the next run.
