@@ -653,14 +653,27 @@ fn tree_stats(pids: &[u32]) -> (f64, f64) {
         .fold((0.0, 0.0), |(c, r), (pc, pr)| (c + pc, r + pr))
 }
 
-/// A relay's process, killed when dropped (a run that panics) unless it has been waited for.
+/// A relay's process, stopped when dropped (a run that panics) unless it has been waited for:
+/// asked first (a launcher such as Restate's stops its own children on TERM), killed if it is
+/// still there five seconds later.
 struct KilledOnDrop(std::process::Child);
 
 impl Drop for KilledOnDrop {
     fn drop(&mut self) {
-        if let Ok(None) = self.0.try_wait() {
-            let _ = self.0.kill();
-            let _ = self.0.wait();
+        if !matches!(self.0.try_wait(), Ok(None)) {
+            return;
+        }
+        let _ = std::process::Command::new("kill")
+            .args(["-TERM", &self.0.id().to_string()])
+            .status();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while matches!(self.0.try_wait(), Ok(None)) {
+            if Instant::now() > deadline {
+                let _ = self.0.kill();
+                let _ = self.0.wait();
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
         }
     }
 }

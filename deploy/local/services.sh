@@ -117,8 +117,16 @@ pg_up() {
     # GB of buffers, a new action cost Postgres a third more CPU than on an empty schema (the
     # B-tree pages went through the OS cache); with 6 GB holding them, a fifth (benches/HISTORY.md,
     # stop 39). Durability stays as shipped: fsync and synchronous_commit are on.
-    local buffers_mb
-    buffers_mb=$(awk '/^MemTotal:/ { mb = int($2 / 4096); print (mb > 8192 ? 8192 : (mb < 128 ? 128 : mb)) }' /proc/meminfo)
+    # The memory is the machine's, or a container's limit when it has a lower one.
+    local memory_kb limit
+    memory_kb=$(awk '/^MemTotal:/ { print $2 }' /proc/meminfo)
+    limit=$(cat /sys/fs/cgroup/memory.max 2>/dev/null || true)
+    if [[ "$limit" =~ ^[0-9]+$ ]] && [ $((limit / 1024)) -lt "${memory_kb:-0}" ]; then
+      memory_kb=$((limit / 1024))
+    fi
+    local buffers_mb=$(( ${memory_kb:-4194304} / 4096 ))
+    [ "$buffers_mb" -gt 8192 ] && buffers_mb=8192
+    [ "$buffers_mb" -lt 128 ] && buffers_mb=128
     cat > "/etc/postgresql/$version/main/conf.d/idem.conf" <<CONF
 shared_buffers = ${buffers_mb}MB
 max_wal_size = 8GB

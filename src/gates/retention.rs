@@ -310,7 +310,7 @@ mod tests {
         let n = rows_read(&plan, "deliveries");
         assert!(
             n <= 500.0,
-            "pruning the last 100 expired dead letters read {n} deliveries (8,650 dead letters \
+            "pruning the last 100 expired dead letters read {n} deliveries (8,750 dead letters \
              within retention, 40,000 deliveries of live keys): {plan:#}"
         );
         db.drop().await;
