@@ -653,20 +653,25 @@ fn tree_stats(pids: &[u32]) -> (f64, f64) {
         .fold((0.0, 0.0), |(c, r), (pc, pr)| (c + pc, r + pr))
 }
 
-/// A relay's process, stopped when dropped (a run that panics) unless it has been waited for:
-/// asked first (a launcher such as Restate's stops its own children on TERM), killed if it is
-/// still there five seconds later.
+/// A relay's process, stopped when dropped (a run that panics) unless it has been stopped or
+/// has exited already.
 struct KilledOnDrop(std::process::Child);
 
-impl Drop for KilledOnDrop {
-    fn drop(&mut self) {
+impl KilledOnDrop {
+    /// Asks the process to stop (a launcher such as Restate's stops its own children on TERM)
+    /// and waits for it; with a `grace`, kills it if it is still there after that long.
+    fn stop(&mut self, grace: Option<Duration>) {
         if !matches!(self.0.try_wait(), Ok(None)) {
             return;
         }
         let _ = std::process::Command::new("kill")
             .args(["-TERM", &self.0.id().to_string()])
             .status();
-        let deadline = Instant::now() + Duration::from_secs(5);
+        let Some(grace) = grace else {
+            let _ = self.0.wait();
+            return;
+        };
+        let deadline = Instant::now() + grace;
         while matches!(self.0.try_wait(), Ok(None)) {
             if Instant::now() > deadline {
                 let _ = self.0.kill();
@@ -675,6 +680,12 @@ impl Drop for KilledOnDrop {
             }
             std::thread::sleep(Duration::from_millis(50));
         }
+    }
+}
+
+impl Drop for KilledOnDrop {
+    fn drop(&mut self) {
+        self.stop(Some(Duration::from_secs(5)));
     }
 }
 
@@ -1026,10 +1037,7 @@ verify = {{ url = "http://{addr}/v1/effects/{{key}}" }}
             );
         }
     }
-    let _ = std::process::Command::new("kill")
-        .args(["-TERM", &child.0.id().to_string()])
-        .status();
-    let _ = child.0.wait();
+    child.stop(None);
     stop.cancel();
     let _ = tokio::task::spawn_blocking(move || collector.join()).await;
     // A run's own schema goes with it; one named by IDEM_BENCH_SCHEMA stays for the next run.
