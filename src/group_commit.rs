@@ -2,9 +2,11 @@
 //! a few workers keep several groups in flight so commits overlap.
 
 use std::future::Future;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
-use tokio::sync::{mpsc, oneshot, Mutex};
+use tokio::sync::{mpsc, oneshot, Mutex, Notify};
 
 /// A request's failure, shared by every request of the group it was committed in.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -28,6 +30,25 @@ type Item<T, R> = (T, oneshot::Sender<R>);
 
 pub struct GroupCommit<T, R> {
     tx: mpsc::Sender<Item<T, R>>,
+    coming: Arc<Coming>,
+}
+
+/// Requests announced and not yet sent (see [`GroupCommit::expect`]).
+#[derive(Default)]
+struct Coming {
+    count: AtomicUsize,
+    changed: Notify,
+}
+
+/// A request on its way: while any is, a group that has begun to form waits for it, up to the
+/// group's linger. Dropped when its request is sent or given up.
+pub struct Expected(Arc<Coming>);
+
+impl Drop for Expected {
+    fn drop(&mut self) {
+        self.0.count.fetch_sub(1, Ordering::AcqRel);
+        self.0.changed.notify_one();
+    }
 }
 
 impl<T: Send + 'static, R: Send + 'static> GroupCommit<T, R> {
@@ -39,11 +60,23 @@ impl<T: Send + 'static, R: Send + 'static> GroupCommit<T, R> {
         F: Fn(Vec<T>) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = Vec<R>> + Send,
     {
+        Self::spawn_lingering(max, workers, Duration::ZERO, run)
+    }
+
+    /// As [`GroupCommit::spawn`], but a group that has begun to form waits, up to `linger`
+    /// after its first request, for the requests announced by [`GroupCommit::expect`] and not
+    /// yet sent, so calls that end together commit together.
+    pub fn spawn_lingering<F, Fut>(max: usize, workers: usize, linger: Duration, run: F) -> Self
+    where
+        F: Fn(Vec<T>) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Vec<R>> + Send,
+    {
         let (tx, rx) = mpsc::channel::<Item<T, R>>(max * workers * 2);
         let rx = Arc::new(Mutex::new(rx));
         let run = Arc::new(run);
+        let coming = Arc::new(Coming::default());
         for _ in 0..workers {
-            let (rx, run) = (rx.clone(), run.clone());
+            let (rx, run, expected) = (rx.clone(), run.clone(), coming.clone());
             tokio::spawn(async move {
                 loop {
                     let mut items = Vec::with_capacity(max);
@@ -53,10 +86,27 @@ impl<T: Send + 'static, R: Send + 'static> GroupCommit<T, R> {
                             Some(item) => items.push(item),
                             None => return,
                         }
-                        while items.len() < max {
-                            match rx.try_recv() {
-                                Ok(item) => items.push(item),
-                                Err(_) => break,
+                        let deadline = tokio::time::Instant::now() + linger;
+                        loop {
+                            while items.len() < max {
+                                match rx.try_recv() {
+                                    Ok(item) => items.push(item),
+                                    Err(_) => break,
+                                }
+                            }
+                            if items.len() >= max
+                                || linger.is_zero()
+                                || expected.count.load(Ordering::Acquire) == 0
+                            {
+                                break;
+                            }
+                            tokio::select! {
+                                item = rx.recv() => match item {
+                                    Some(item) => items.push(item),
+                                    None => break,
+                                },
+                                _ = expected.changed.notified() => {}
+                                _ = tokio::time::sleep_until(deadline) => break,
                             }
                         }
                     }
@@ -70,13 +120,23 @@ impl<T: Send + 'static, R: Send + 'static> GroupCommit<T, R> {
                 }
             });
         }
-        GroupCommit { tx }
+        GroupCommit { tx, coming }
     }
 
-    /// Sends one request and waits for its answer; `None` once the workers are gone.
-    pub async fn call(&self, request: T) -> Option<R> {
+    /// Announces a request that will come (a call under way whose result will be sent): a
+    /// group forming meanwhile waits for it, up to its linger.
+    pub fn expect(&self) -> Expected {
+        self.coming.count.fetch_add(1, Ordering::AcqRel);
+        Expected(self.coming.clone())
+    }
+
+    /// Sends one request and waits for its answer; `None` once the workers are gone. Its
+    /// announcement, if it had one, ends once it is sent.
+    pub async fn call_expected(&self, request: T, expected: Option<Expected>) -> Option<R> {
         let (tx, rx) = oneshot::channel();
-        self.tx.send((request, tx)).await.ok()?;
+        let sent = self.tx.send((request, tx)).await;
+        drop(expected);
+        sent.ok()?;
         rx.await.ok()
     }
 }
@@ -98,7 +158,7 @@ mod tests {
         }));
         let calls = (0..100).map(|i| {
             let b = b.clone();
-            async move { (i, b.call(i).await.unwrap()) }
+            async move { (i, b.call_expected(i, None).await.unwrap()) }
         });
         for (i, doubled) in futures::future::join_all(calls).await {
             assert_eq!(doubled, i * 2);
@@ -107,5 +167,70 @@ mod tests {
         assert_eq!(sizes.iter().sum::<usize>(), 100);
         assert!(sizes.iter().all(|n| *n <= 10));
         assert!(sizes.len() < 100, "requests were grouped: {sizes:?}");
+    }
+
+    /// The size of each group committed, in order.
+    type Sizes = Arc<std::sync::Mutex<Vec<usize>>>;
+
+    /// A group commit that answers each request with itself and records its groups' sizes.
+    fn sizes_of(linger: Duration) -> (Arc<GroupCommit<u32, u32>>, Sizes) {
+        let sizes = Sizes::default();
+        let seen = sizes.clone();
+        let b = GroupCommit::spawn_lingering(10, 1, linger, move |xs: Vec<u32>| {
+            seen.lock().unwrap().push(xs.len());
+            async move { xs }
+        });
+        (Arc::new(b), sizes)
+    }
+
+    const DEADLINE: Duration = Duration::from_secs(10);
+
+    #[tokio::test]
+    async fn a_group_waits_for_the_requests_announced() {
+        // A linger far longer than the test's deadline: only the last announced request's
+        // arrival can let the group go.
+        let (b, sizes) = sizes_of(Duration::from_secs(600));
+        let announced: Vec<Expected> = (0..3).map(|_| b.expect()).collect();
+        let calls = announced.into_iter().enumerate().map(|(i, expected)| {
+            let b = b.clone();
+            async move {
+                // Each request is sent a little after the one before it.
+                tokio::time::sleep(Duration::from_millis(20 * i as u64)).await;
+                b.call_expected(i as u32, Some(expected)).await
+            }
+        });
+        let answers = tokio::time::timeout(DEADLINE, futures::future::join_all(calls))
+            .await
+            .expect("answered");
+        assert_eq!(answers, vec![Some(0), Some(1), Some(2)]);
+        assert_eq!(*sizes.lock().unwrap(), vec![3], "one group of the three");
+    }
+
+    #[tokio::test]
+    async fn a_request_given_up_or_none_announced_does_not_hold_a_group() {
+        let (b, sizes) = sizes_of(Duration::from_secs(600));
+        // Nothing announced: a lone request goes at once.
+        let alone = tokio::time::timeout(DEADLINE, b.call_expected(1, None)).await;
+        assert_eq!(alone.expect("not held"), Some(1));
+        // Two announced, one given up (its call failed before it had a result to send).
+        let (sent, given_up) = (b.expect(), b.expect());
+        let waiting = {
+            let b = b.clone();
+            tokio::spawn(async move { b.call_expected(2, Some(sent)).await })
+        };
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        drop(given_up);
+        let answer = tokio::time::timeout(DEADLINE, waiting).await;
+        assert_eq!(answer.expect("released").unwrap(), Some(2));
+        assert_eq!(*sizes.lock().unwrap(), vec![1, 1]);
+    }
+
+    #[tokio::test]
+    async fn a_group_waits_no_longer_than_its_linger() {
+        let (b, sizes) = sizes_of(Duration::from_millis(50));
+        let _never_sent = b.expect();
+        let answer = tokio::time::timeout(DEADLINE, b.call_expected(7, None)).await;
+        assert_eq!(answer.expect("the linger ended the wait"), Some(7));
+        assert_eq!(*sizes.lock().unwrap(), vec![1]);
     }
 }

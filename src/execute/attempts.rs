@@ -81,7 +81,9 @@ impl Executor {
         c: &Claimed,
         settled: Settled,
         end: Option<AttemptEnd>,
+        expected: Option<crate::group_commit::Expected>,
     ) -> Result<(), ExecError> {
+        let expected = std::sync::Mutex::new(expected);
         let item = Finish {
             id: c.id,
             epoch: c.epoch,
@@ -89,7 +91,8 @@ impl Executor {
             end,
         };
         let state = with_retry(&self.metrics, "record", || {
-            ask(&self.finishes, item.clone())
+            let expected = expected.lock().expect("not poisoned").take();
+            ask_expected(&self.finishes, item.clone(), expected)
         })
         .await?
         .ok_or(ExecError::Fenced)?;
