@@ -54,23 +54,27 @@ const PRUNE_TOOL: &str = "
     )
     select count(*) from gone";
 
+// Rows another relay's pass is deleting are skipped, not waited for (and then found gone).
 const PRUNE_TOMBSTONES: &str = "
     with gone as (
         delete from tombstones where key_hash in (
-            select key_hash from tombstones where expires_at < now() limit $1)
+            select key_hash from tombstones where expires_at < now() limit $1
+               for update skip locked)
         returning 1
     )
     select count(*) from gone";
 
 // The expired dead letters by age (`deliveries_dead_letters`), then each deleted by its id: as
-// `id in (select …)` Postgres could join the batch's ids to a scan of every delivery.
+// `id in (select …)` Postgres could join the batch's ids to a scan of every delivery. Rows
+// another relay's pass is deleting are skipped, as the tombstones'.
 const PRUNE_DEAD_LETTER_DELIVERIES: &str = "
     with gone as (
         delete from deliveries where id = any(array(
             select id from deliveries
              where intent_id is null and received_at < now() - make_interval(secs => $1)
              order by received_at
-             limit $2))
+             limit $2
+               for update skip locked))
         returning 1
     )
     select count(*) from gone";
@@ -346,6 +350,69 @@ mod tests {
             n <= 500.0,
             "pruning the last 100 expired tombstones read {n} of 50,000: {plan:#}"
         );
+        db.drop().await;
+    }
+
+    // Every relay prunes, each on its own schedule. Two passes at once over the same expired
+    // rows must take different ones: the second waiting on the first's row locks, then finding
+    // those rows gone, would count a short batch and stop as if it had caught up.
+    #[tokio::test]
+    async fn two_passes_at_once_prune_different_rows() {
+        use crate::db::plans::Fresh;
+        let db = Fresh::new().await;
+        db.pg
+            .batch_execute(
+                "insert into deliveries (intent_id, idempotency_key, action_event_id,
+                                         source_topic, source_partition, source_offset,
+                                         origin, answered, received_at)
+                 select null, 'k' || g, 'd' || g, 'actions', 0, g, 'dead_letter', true,
+                        now() - interval '8 days' + make_interval(secs => g)
+                   from generate_series(1, 20) g;
+                 insert into tombstones (key_hash, fingerprint_hash, tool, status, expires_at)
+                 select md5('k' || g), 'f', 'send_email', 'succeeded',
+                        now() - make_interval(secs => g)
+                   from generate_series(1, 20) g;",
+            )
+            .await
+            .expect("fill");
+        let other_pool = crate::db::data_path_pool(&db.cfg).expect("pool");
+        let other = other_pool.get().await.expect("a second connection");
+        for (name, prune, params) in [
+            ("dead letters", PRUNE_DEAD_LETTER_DELIVERIES, "604800, 10"),
+            ("tombstones", PRUNE_TOMBSTONES, "10"),
+        ] {
+            let types = if params.contains(',') {
+                "float8, int8"
+            } else {
+                "int8"
+            };
+            let prepare = format!("deallocate all; prepare p({types}) as {prune}");
+            for c in [&db.pg, &other] {
+                c.batch_execute(&prepare).await.expect("prepare");
+            }
+            // The first pass holds its batch, uncommitted.
+            let first = db.rows(&format!("begin; execute p({params})")).await;
+            assert_eq!(first[0][0].1, "10", "{name}: the first pass's batch");
+            // The second takes the other ten, at once.
+            other
+                .batch_execute("set lock_timeout = '10s'")
+                .await
+                .expect("lock timeout");
+            let second = other
+                .query_one(&format!("execute p({params})"), &[])
+                .await
+                .unwrap_or_else(|e| panic!("{name}: the second pass waited for the first: {e:?}"));
+            assert_eq!(
+                second.get::<_, i64>(0),
+                10,
+                "{name}: the second pass's batch"
+            );
+            db.pg.batch_execute("commit").await.expect("commit");
+        }
+        let left = db
+            .rows("select (select count(*) from deliveries), (select count(*) from tombstones)")
+            .await;
+        assert_eq!((left[0][0].1.as_str(), left[0][1].1.as_str()), ("0", "0"));
         db.drop().await;
     }
 }
