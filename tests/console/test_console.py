@@ -141,7 +141,9 @@ def test_approve_a_refund_and_resolve_an_unknown_charge(stack: Stack, browser: W
 
     browser.get(ui(stack, "/ui/overview"))
     wait_for_text(browser, "Relays holding leases")
-    assert "refund" in browser.find_element(By.TAG_NAME, "main").text
+    overview = browser.find_element(By.TAG_NAME, "main").text
+    assert "refund" in overview
+    assert "Keys recorded in the last hour" in overview
     browser.save_screenshot(str(shots / "overview.png"))
 
     browser.get(ui(stack, f"/ui/search?q={run}"))

@@ -210,7 +210,27 @@ pub fn search(session: &Session, q: &str, rows: &[KeyRow], cut_short: bool) -> S
     layout("Search", Some(session), &body)
 }
 
+/// "the last hour", "the last 5 minutes", "the last minute": the span an overview counted.
+fn last_span(secs: i64) -> String {
+    match secs {
+        3600 => "the last hour".into(),
+        60 => "the last minute".into(),
+        s if s % 60 == 0 => format!("the last {} minutes", s / 60),
+        s => format!("the last {s} seconds"),
+    }
+}
+
 pub fn overview(session: &Session, o: &Overview, consumer_lag: i64) -> String {
+    let span = last_span(o.span_secs);
+    let shorter = if o.span_secs < 3600 {
+        format!(
+            r#"<p class="hint">Counting the last hour took longer than {} s (its keys are many): {} are shown.</p>"#,
+            super::queries::OVERVIEW_BUDGET.as_secs(),
+            esc(&span)
+        )
+    } else {
+        String::new()
+    };
     let mut tools: Vec<&str> = o
         .by_tool_status
         .iter()
@@ -246,8 +266,9 @@ pub fn overview(session: &Session, o: &Overview, consumer_lag: i64) -> String {
     if tools.is_empty() {
         let _ = write!(
             t,
-            r#"<tr><td colspan="{}" class="empty">No keys recorded in the last hour.</td></tr>"#,
-            statuses.len() + 1
+            r#"<tr><td colspan="{}" class="empty">No keys recorded in {}.</td></tr>"#,
+            statuses.len() + 1,
+            esc(&span)
         );
     }
     t.push_str("</tbody></table>");
@@ -280,13 +301,14 @@ pub fn overview(session: &Session, o: &Overview, consumer_lag: i64) -> String {
     }
     leases.push_str("</tbody></table>");
     let body = format!(
-        r#"<section><h2>Keys recorded in the last hour, by tool and status</h2>{t}</section>
-<section><h2>Deliveries in the last hour, by origin</h2><p class="hint">Everything but <code>first</code> is a repeat idem answered instead of executing.</p>{origins}</section>
+        r#"<section><h2>Keys recorded in {span_h}, by tool and status</h2>{shorter}{t}</section>
+<section><h2>Deliveries in {span_h}, by origin</h2><p class="hint">Everything but <code>first</code> is a repeat idem answered instead of executing.</p>{origins}</section>
 <section><h2>Now</h2><dl class="facts"><dt>Outbox lag</dt><dd>{} outcome events unpublished, oldest {}</dd>
 <dt>Consumer lag (this relay)</dt><dd>{consumer_lag} actions not yet consumed</dd></dl>
 <h3>Relays holding leases</h3>{leases}</section>"#,
         o.outbox_pending,
         age(o.outbox_oldest_secs),
+        span_h = esc(&span),
     );
     layout("Overview", Some(session), &body)
 }
@@ -543,6 +565,29 @@ mod tests {
         assert_eq!(enc("run 1:tool/ü"), "run%201%3Atool%2F%C3%BC");
         assert_eq!(age(95.0), "1m 35s");
         assert_eq!(age(7300.0), "2h 1m");
+    }
+
+    #[test]
+    fn the_overview_names_the_span_it_counted() {
+        let mut o = Overview {
+            span_secs: 3600,
+            by_tool_status: vec![("refund".into(), "succeeded".into(), 3)],
+            by_origin: vec![("first".into(), 3)],
+            ..Overview::default()
+        };
+        let hour = overview(&admin(), &o, 0);
+        assert!(hour.contains("Keys recorded in the last hour, by tool and status"));
+        assert!(hour.contains("Deliveries in the last hour, by origin"));
+        assert!(!hour.contains("took longer"), "{hour}");
+        o.span_secs = 300;
+        let shorter = overview(&admin(), &o, 0);
+        assert!(shorter.contains("Keys recorded in the last 5 minutes, by tool and status"));
+        assert!(shorter.contains("Deliveries in the last 5 minutes, by origin"));
+        assert!(
+            shorter.contains("Counting the last hour took longer than 2 s"),
+            "{shorter}"
+        );
+        assert_eq!(last_span(60), "the last minute");
     }
 
     #[test]
