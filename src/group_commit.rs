@@ -26,14 +26,21 @@ impl From<&crate::db::DbError> for GroupError {
     }
 }
 
-type Item<T, R> = (T, oneshot::Sender<R>);
+/// A request as sent: its answer's channel, its announcement (ended once a worker has it, so
+/// what is still announced has not reached one), and when it was sent.
+struct Item<T, R> {
+    request: T,
+    reply: oneshot::Sender<R>,
+    expected: Option<Expected>,
+    sent: tokio::time::Instant,
+}
 
 pub struct GroupCommit<T, R> {
     tx: mpsc::Sender<Item<T, R>>,
     coming: Arc<Coming>,
 }
 
-/// Requests announced and not yet sent (see [`GroupCommit::expect`]).
+/// Requests announced and not yet received by a worker (see [`GroupCommit::expect`]).
 #[derive(Default)]
 struct Coming {
     count: AtomicUsize,
@@ -41,7 +48,7 @@ struct Coming {
 }
 
 /// A request on its way: while any is, a group that has begun to form waits for it, up to the
-/// group's linger. Dropped when its request is sent or given up.
+/// group's linger. Dropped when a worker receives its request, or when it is given up.
 pub struct Expected(Arc<Coming>);
 
 impl Drop for Expected {
@@ -64,8 +71,8 @@ impl<T: Send + 'static, R: Send + 'static> GroupCommit<T, R> {
     }
 
     /// As [`GroupCommit::spawn`], but a group that has begun to form waits, up to `linger`
-    /// after its first request, for the requests announced by [`GroupCommit::expect`] and not
-    /// yet sent, so calls that end together commit together.
+    /// after its first request was sent, for the requests announced by [`GroupCommit::expect`]
+    /// and not received yet, so calls that end together commit together.
     pub fn spawn_lingering<F, Fut>(max: usize, workers: usize, linger: Duration, run: F) -> Self
     where
         F: Fn(Vec<T>) -> Fut + Send + Sync + 'static,
@@ -76,7 +83,7 @@ impl<T: Send + 'static, R: Send + 'static> GroupCommit<T, R> {
         let run = Arc::new(run);
         let coming = Arc::new(Coming::default());
         for _ in 0..workers {
-            let (rx, run, expected) = (rx.clone(), run.clone(), coming.clone());
+            let (rx, run, coming) = (rx.clone(), run.clone(), coming.clone());
             tokio::spawn(async move {
                 loop {
                     let mut items = Vec::with_capacity(max);
@@ -86,7 +93,9 @@ impl<T: Send + 'static, R: Send + 'static> GroupCommit<T, R> {
                             Some(item) => items.push(item),
                             None => return,
                         }
-                        let deadline = tokio::time::Instant::now() + linger;
+                        // From the first request's send: one that queued while the group
+                        // before committed has waited already.
+                        let deadline = items[0].sent + linger;
                         loop {
                             while items.len() < max {
                                 match rx.try_recv() {
@@ -94,9 +103,13 @@ impl<T: Send + 'static, R: Send + 'static> GroupCommit<T, R> {
                                     Err(_) => break,
                                 }
                             }
+                            // Received: what is still announced is on its way or given up.
+                            for item in &mut items {
+                                item.expected.take();
+                            }
                             if items.len() >= max
                                 || linger.is_zero()
-                                || expected.count.load(Ordering::Acquire) == 0
+                                || coming.count.load(Ordering::Acquire) == 0
                             {
                                 break;
                             }
@@ -105,13 +118,13 @@ impl<T: Send + 'static, R: Send + 'static> GroupCommit<T, R> {
                                     Some(item) => items.push(item),
                                     None => break,
                                 },
-                                _ = expected.changed.notified() => {}
+                                _ = coming.changed.notified() => {}
                                 _ = tokio::time::sleep_until(deadline) => break,
                             }
                         }
                     }
                     let (requests, replies): (Vec<T>, Vec<oneshot::Sender<R>>) =
-                        items.into_iter().unzip();
+                        items.into_iter().map(|i| (i.request, i.reply)).unzip();
                     let answers = run(requests).await;
                     debug_assert_eq!(answers.len(), replies.len(), "one answer per request");
                     for (reply, answer) in replies.into_iter().zip(answers) {
@@ -131,13 +144,17 @@ impl<T: Send + 'static, R: Send + 'static> GroupCommit<T, R> {
     }
 
     /// Sends one request and waits for its answer; `None` once the workers are gone. Its
-    /// announcement, if it had one, ends once it is sent.
+    /// announcement, if it had one, ends once a worker has it.
     pub async fn call_expected(&self, request: T, expected: Option<Expected>) -> Option<R> {
-        let (tx, rx) = oneshot::channel();
-        let sent = self.tx.send((request, tx)).await;
-        drop(expected);
-        sent.ok()?;
-        rx.await.ok()
+        let (reply, answer) = oneshot::channel();
+        let item = Item {
+            request,
+            reply,
+            expected,
+            sent: tokio::time::Instant::now(),
+        };
+        self.tx.send(item).await.ok()?;
+        answer.await.ok()
     }
 }
 
@@ -219,6 +236,10 @@ mod tests {
             tokio::spawn(async move { b.call_expected(2, Some(sent)).await })
         };
         tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(
+            !waiting.is_finished(),
+            "the group waits for the one announced"
+        );
         drop(given_up);
         let answer = tokio::time::timeout(DEADLINE, waiting).await;
         assert_eq!(answer.expect("released").unwrap(), Some(2));
@@ -229,8 +250,13 @@ mod tests {
     async fn a_group_waits_no_longer_than_its_linger() {
         let (b, sizes) = sizes_of(Duration::from_millis(50));
         let _never_sent = b.expect();
+        let started = tokio::time::Instant::now();
         let answer = tokio::time::timeout(DEADLINE, b.call_expected(7, None)).await;
         assert_eq!(answer.expect("the linger ended the wait"), Some(7));
+        assert!(
+            started.elapsed() >= Duration::from_millis(50),
+            "the group waited for the one announced"
+        );
         assert_eq!(*sizes.lock().unwrap(), vec![1]);
     }
 }

@@ -46,8 +46,7 @@ impl Arrivals {
                 until: max,
             },
             // Waiting pays when another action is due within it, and only while the batch is
-            // small: a transaction's fixed cost is spread thin over FILLED actions, and a
-            // busier stream brings batches that size without waiting.
+            // small: a transaction's fixed cost is spread thin over FILLED actions.
             BatchLinger::WhileBusy { most, gap } if self.per_second * most.as_secs_f64() >= 1.0 => {
                 Wait {
                     most,

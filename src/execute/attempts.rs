@@ -81,8 +81,9 @@ impl Executor {
         c: &Claimed,
         settled: Settled,
         end: Option<AttemptEnd>,
-        expected: Option<crate::group_commit::Expected>,
+        expected: Option<Expected>,
     ) -> Result<(), ExecError> {
+        // Moved into the first try: `with_retry` calls its closure once per try.
         let expected = std::sync::Mutex::new(expected);
         let item = Finish {
             id: c.id,

@@ -39,6 +39,9 @@ struct Run<'a> {
     /// Until the last call that may have happened has run out its timeout, the downstream may
     /// still be processing it: a "not done" before then concludes nothing.
     deadline: Option<Instant>,
+    /// The result announced to the finish groups ([`GroupCommit::expect`]), withdrawn while
+    /// the loop waits to call or verify again.
+    announced: &'a mut Option<Expected>,
 }
 
 impl Run<'_> {
@@ -68,6 +71,7 @@ impl Executor {
         tool: &Tool,
         c: &Claimed,
         waited: bool,
+        announced: &mut Option<Expected>,
     ) -> Result<(Settled, AttemptEnd), ExecError> {
         let ExecutorKind::Http(exec) = &tool.executor else {
             unreachable!("http tool")
@@ -93,6 +97,7 @@ impl Executor {
             } else {
                 None
             },
+            announced,
         };
         let mut step = if c.needs_verify {
             Step::Verify
@@ -105,6 +110,16 @@ impl Executor {
                 Step::Verify => self.verify_once(&mut run).await?,
                 Step::Done(settled, end) => return Ok((settled, end)),
             };
+        }
+    }
+
+    /// Waits out `sleep` with the call's result no longer announced: a finish group forming
+    /// meanwhile does not wait for a result that far off.
+    async fn pause(&self, run: &mut Run<'_>, sleep: impl std::future::Future<Output = ()>) {
+        let announced = run.announced.take().is_some();
+        sleep.await;
+        if announced {
+            *run.announced = Some(self.finishes.expect());
         }
     }
 
@@ -185,7 +200,8 @@ impl Executor {
                 )
                 .await?;
                 crash_point!("verify-backoff");
-                tokio::time::sleep_until(until.into()).await;
+                self.pause(run, tokio::time::sleep_until(until.into()))
+                    .await;
                 run.seq = self.begin(c, "verify", &run.why_next()).await?;
                 Ok(Step::Verify)
             }
@@ -206,10 +222,8 @@ impl Executor {
                 )
                 .await?;
                 crash_point!("verify-backoff");
-                tokio::time::sleep(
-                    Backoff::new(v.backoff, v.backoff * 16).delay(verifications, None),
-                )
-                .await;
+                let backoff = Backoff::new(v.backoff, v.backoff * 16).delay(verifications, None);
+                self.pause(run, tokio::time::sleep(backoff)).await;
                 run.seq = self.begin(c, "verify", &run.why_next()).await?;
                 Ok(Step::Verify)
             }
@@ -344,7 +358,7 @@ impl Executor {
             "retrying"
         );
         self.end(c, end).await?;
-        tokio::time::sleep(wait).await;
+        self.pause(run, tokio::time::sleep(wait)).await;
         run.seq = self.begin(c, "call", "transport_retry").await?;
         Ok(Step::Call)
     }

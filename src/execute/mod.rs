@@ -19,7 +19,7 @@ use crate::action::ActionData;
 use crate::config::{Config, ExecutorKind, Tool};
 use crate::db::{self, DbError};
 use crate::failpoint::crash_point;
-use crate::group_commit::{GroupCommit, GroupError};
+use crate::group_commit::{Expected, GroupCommit, GroupError};
 use crate::metrics::Metrics;
 use crate::outcome::answer::KeyState;
 use crate::outcome::finish::FinishStatements;
@@ -67,7 +67,7 @@ async fn ask<T: Send + 'static, R: Send + 'static>(
 async fn ask_expected<T: Send + 'static, R: Send + 'static>(
     group: &GroupCommit<T, Result<R, GroupError>>,
     request: T,
-    expected: Option<crate::group_commit::Expected>,
+    expected: Option<Expected>,
 ) -> Result<R, ExecError> {
     let gone = || GroupError {
         transient: false,
@@ -446,8 +446,10 @@ impl Executor {
         self.metrics.inflight.inc();
         match &tool.executor {
             ExecutorKind::Http(_) => {
-                let expected = self.finishes.expect();
-                let called = self.call_http(&tool, &claimed, waited).await;
+                let mut announced = Some(self.finishes.expect());
+                let called = self
+                    .call_http(&tool, &claimed, waited, &mut announced)
+                    .await;
                 self.metrics.inflight.dec();
                 let (settled, end) = called?;
                 // The downstream is done with this call: the next one starts while this outcome
@@ -460,8 +462,7 @@ impl Executor {
                     .await
                     .expect("never closed");
                 drop(permits);
-                self.record(&claimed, settled, Some(end), Some(expected))
-                    .await
+                self.record(&claimed, settled, Some(end), announced).await
             }
             ExecutorKind::Sql(_) => {
                 // The statement runs in the outcome transaction: recording is the call.

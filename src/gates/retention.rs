@@ -54,12 +54,13 @@ const PRUNE_TOOL: &str = "
     )
     select count(*) from gone";
 
-// Rows another relay's pass is deleting are skipped, not waited for (and then found gone).
+// Rows another relay's pass is deleting are skipped, not waited for (and then found gone). The
+// batch is read once, before the delete (`any(array(…))`, as the dead letters').
 const PRUNE_TOMBSTONES: &str = "
     with gone as (
-        delete from tombstones where key_hash in (
+        delete from tombstones where key_hash = any(array(
             select key_hash from tombstones where expires_at < now() limit $1
-               for update skip locked)
+               for update skip locked))
         returning 1
     )
     select count(*) from gone";
@@ -375,8 +376,17 @@ mod tests {
             )
             .await
             .expect("fill");
-        let other_pool = crate::db::data_path_pool(&db.cfg).expect("pool");
+        let other_pool = crate::db::pool(&db.cfg).expect("pool");
         let other = other_pool.get().await.expect("a second connection");
+        // Pruning's pool: the server's settings, and no lock timeout of its own, so the test
+        // sets one to fail rather than hang when the second pass waits.
+        for c in [&db.pg, &other] {
+            c.batch_execute(
+                "set enable_seqscan = on; set plan_cache_mode = auto; set lock_timeout = '10s'",
+            )
+            .await
+            .expect("settings");
+        }
         for (name, prune, params) in [
             ("dead letters", PRUNE_DEAD_LETTER_DELIVERIES, "604800, 10"),
             ("tombstones", PRUNE_TOMBSTONES, "10"),
@@ -394,10 +404,6 @@ mod tests {
             let first = db.rows(&format!("begin; execute p({params})")).await;
             assert_eq!(first[0][0].1, "10", "{name}: the first pass's batch");
             // The second takes the other ten, at once.
-            other
-                .batch_execute("set lock_timeout = '10s'")
-                .await
-                .expect("lock timeout");
             let second = other
                 .query_one(&format!("execute p({params})"), &[])
                 .await

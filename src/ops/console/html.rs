@@ -222,9 +222,9 @@ fn last_span(secs: i64) -> String {
 
 pub fn overview(session: &Session, o: &Overview, consumer_lag: i64) -> String {
     let span = last_span(o.span_secs);
-    let shorter = if o.span_secs < 3600 {
+    let shorter = if o.span_secs < super::queries::OVERVIEW_SPANS[0] {
         format!(
-            r#"<p class="hint">Counting the last hour took longer than {} s (its keys are many): {} are shown.</p>"#,
+            r#"<p class="hint">Counting the last hour took longer than {} s (its keys are many): these are the counts of {}.</p>"#,
             super::queries::OVERVIEW_BUDGET.as_secs(),
             esc(&span)
         )
@@ -573,7 +573,9 @@ mod tests {
             span_secs: 3600,
             by_tool_status: vec![("refund".into(), "succeeded".into(), 3)],
             by_origin: vec![("first".into(), 3)],
-            ..Overview::default()
+            outbox_pending: 0,
+            outbox_oldest_secs: 0.0,
+            leases: vec![],
         };
         let hour = overview(&admin(), &o, 0);
         assert!(hour.contains("Keys recorded in the last hour, by tool and status"));
@@ -584,7 +586,10 @@ mod tests {
         assert!(shorter.contains("Keys recorded in the last 5 minutes, by tool and status"));
         assert!(shorter.contains("Deliveries in the last 5 minutes, by origin"));
         assert!(
-            shorter.contains("Counting the last hour took longer than 2 s"),
+            shorter.contains(
+                "Counting the last hour took longer than 2 s (its keys are many): these are the \
+                 counts of the last 5 minutes."
+            ),
             "{shorter}"
         );
         assert_eq!(last_span(60), "the last minute");

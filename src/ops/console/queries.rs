@@ -146,7 +146,7 @@ pub(crate) async fn search_within(
     Ok(Found { rows, cut_short })
 }
 
-/// How long each count of the overview may take before it counts a shorter span instead.
+/// How long the overview's count of a span may take before it counts a shorter one instead.
 pub const OVERVIEW_BUDGET: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// The spans the overview counts, longest first, in seconds: the next is counted when the one
@@ -156,7 +156,7 @@ pub const OVERVIEW_BUDGET: std::time::Duration = std::time::Duration::from_secs(
 pub const OVERVIEW_SPANS: [i64; 3] = [3600, 300, 60];
 
 /// The last hour (or the span counted instead), and now.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct Overview {
     /// The span counted, in seconds: an hour, or less when counting the hour took too long.
     pub span_secs: i64,
@@ -198,15 +198,12 @@ async fn last_hour_within(
     budget: std::time::Duration,
 ) -> Result<Counts, DbError> {
     let (last, within) = OVERVIEW_SPANS.split_last().expect("spans");
-    // Zero would be no timeout at all.
-    let ms = budget.as_millis().max(1).to_string();
     for &span in within {
         tx.batch_execute("savepoint span").await?;
-        tx.execute("select set_config('statement_timeout', $1, true)", &[&ms])
-            .await?;
-        let counted = counts(tx, span).await;
-        // The counts only read: rolling back to the savepoint undoes the timeout alone (or,
-        // when it cancelled the count, the failure too).
+        let deadline = std::time::Instant::now() + budget;
+        let counted = counts(tx, span, Some((deadline, budget))).await;
+        // The counts only read: rolling back to the savepoint undoes their timeouts alone (or,
+        // when one cancelled a count, the failure too).
         tx.batch_execute("rollback to savepoint span; release savepoint span")
             .await?;
         match counted {
@@ -216,7 +213,17 @@ async fn last_hour_within(
             Err(e) => return Err(e),
         }
     }
-    counts(tx, *last).await
+    counts(tx, *last, None).await
+}
+
+/// The `statement_timeout` that leaves a statement what is left of `budget` until `deadline`,
+/// but never less than `budget` or 100 ms, whichever is shorter: the timeout outlives the
+/// statement it cuts short (until the rollback to the savepoint), so that rollback too must fit
+/// in it. (Zero would be no timeout at all.)
+fn timeout_until(deadline: std::time::Instant, budget: std::time::Duration) -> String {
+    let left = deadline.saturating_duration_since(std::time::Instant::now());
+    let floor = budget.min(std::time::Duration::from_millis(100));
+    left.max(floor).as_millis().max(1).to_string()
 }
 
 /// (keys recorded in the last `span` seconds by tool and status, deliveries in them by
@@ -226,8 +233,21 @@ async fn last_hour_within(
 async fn counts(
     client: &impl deadpool_postgres::GenericClient,
     span: i64,
+    within: Option<(std::time::Instant, std::time::Duration)>,
 ) -> Result<Counts, DbError> {
     let secs = span as f64;
+    // Each statement gets what is left of the span's budget (a setting of the transaction,
+    // undone with the caller's savepoint).
+    let limit = || async {
+        if let Some((deadline, budget)) = within {
+            let ms = timeout_until(deadline, budget);
+            client
+                .execute("select set_config('statement_timeout', $1, true)", &[&ms])
+                .await?;
+        }
+        Ok::<_, DbError>(())
+    };
+    limit().await?;
     let keys = client
         .query(
             "select tool, status, class = 'read_only', count(*) from intents
@@ -244,6 +264,7 @@ async fn counts(
     let firsts: i64 = keys.iter().map(|r| r.get::<_, i64>(3)).sum();
     // Rows of origin `first` with an intent, written by earlier relays or for read-only tools,
     // are counted with the keys.
+    limit().await?;
     let mut by_origin: Vec<(String, i64)> = client
         .query(
             "select origin, count(*) from deliveries
@@ -414,6 +435,13 @@ mod tests {
             .expect("stats")
             .get::<_, i64>(0)
         };
+        let show_timeout = || async {
+            tx.query_one("show statement_timeout", &[])
+                .await
+                .expect("the transaction is usable")
+                .get::<_, String>(0)
+        };
+        let usual = show_timeout().await;
         let before = scans().await;
         let counts = super::last_hour_within(&tx, super::OVERVIEW_BUDGET)
             .await
@@ -421,12 +449,11 @@ mod tests {
         let read = scans().await - before;
         assert_eq!(read, 1, "the hour's keys were read again");
         assert_eq!(counts.span_secs, 3600, "the whole hour");
-        let timeout = tx
-            .query_one("show statement_timeout", &[])
-            .await
-            .expect("the transaction is usable")
-            .get::<_, String>(0);
-        assert_ne!(timeout, "2s", "the count's timeout outlived it");
+        assert_eq!(
+            show_timeout().await,
+            usual,
+            "the count's timeout outlived it"
+        );
         let one = |tool: &str, status: &str, n| (tool.to_string(), status.to_string(), n);
         assert_eq!(
             counts.by_tool_status,
@@ -443,8 +470,8 @@ mod tests {
     #[tokio::test]
     async fn an_hour_too_long_to_count_within_the_budget_shows_a_shorter_span() {
         let mut db = Fresh::new().await;
-        // 300,000 keys between five minutes and an hour old (no count of them ends within a
-        // millisecond), and ten of the last minute.
+        // 300,000 keys between five minutes and an hour old (counting them takes 40 ms and more
+        // here), and ten of the last minute.
         db.intents(300_000, "'succeeded'", "false").await;
         db.pg
             .batch_execute(
@@ -465,7 +492,7 @@ mod tests {
                 .get::<_, String>(0)
         };
         let usual = show_timeout().await;
-        let budget = std::time::Duration::from_millis(1);
+        let budget = std::time::Duration::from_millis(10);
         let counts = super::last_hour_within(&tx, budget)
             .await
             .expect("a shorter span, not an error");
