@@ -63,7 +63,7 @@ async fn ask<T: Send + 'static, R: Send + 'static>(
     ask_expected(group, request, None).await
 }
 
-/// As [`ask`], ending the request's announcement ([`GroupCommit::expect`]) once it is sent.
+/// As [`ask`], the request's announcement ([`GroupCommit::expect`]) ending once the group has it.
 async fn ask_expected<T: Send + 'static, R: Send + 'static>(
     group: &GroupCommit<T, Result<R, GroupError>>,
     request: T,
