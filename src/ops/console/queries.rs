@@ -402,6 +402,14 @@ mod tests {
         db.drop().await;
     }
 
+    /// The transaction's `statement_timeout`, read in it (so it is usable).
+    async fn statement_timeout(tx: &deadpool_postgres::Transaction<'_>) -> String {
+        tx.query_one("show statement_timeout", &[])
+            .await
+            .expect("the transaction is usable")
+            .get(0)
+    }
+
     // At 1,000 actions/s the last hour holds 3.6 million keys (1.4 s to count them twice, with
     // the benchmark's keys): the overview reads them once for both of its tables.
     #[tokio::test]
@@ -435,13 +443,7 @@ mod tests {
             .expect("stats")
             .get::<_, i64>(0)
         };
-        let show_timeout = || async {
-            tx.query_one("show statement_timeout", &[])
-                .await
-                .expect("the transaction is usable")
-                .get::<_, String>(0)
-        };
-        let usual = show_timeout().await;
+        let usual = statement_timeout(&tx).await;
         let before = scans().await;
         let counts = super::last_hour_within(&tx, super::OVERVIEW_BUDGET)
             .await
@@ -450,7 +452,7 @@ mod tests {
         assert_eq!(read, 1, "the hour's keys were read again");
         assert_eq!(counts.span_secs, 3600, "the whole hour");
         assert_eq!(
-            show_timeout().await,
+            statement_timeout(&tx).await,
             usual,
             "the count's timeout outlived it"
         );
@@ -485,13 +487,7 @@ mod tests {
             .expect("fill");
 
         let tx = db.pg.transaction().await.expect("begin");
-        let show_timeout = || async {
-            tx.query_one("show statement_timeout", &[])
-                .await
-                .expect("the transaction is usable")
-                .get::<_, String>(0)
-        };
-        let usual = show_timeout().await;
+        let usual = statement_timeout(&tx).await;
         let budget = std::time::Duration::from_millis(10);
         let counts = super::last_hour_within(&tx, budget)
             .await
@@ -504,7 +500,7 @@ mod tests {
         assert_eq!(counts.by_tool_status, keys, "the span's keys");
         assert_eq!(counts.by_origin, vec![("first".to_string(), 10)]);
         // The transaction goes on, with its usual timeout, for the rest of the page.
-        assert_eq!(show_timeout().await, usual);
+        assert_eq!(statement_timeout(&tx).await, usual);
         tx.rollback().await.expect("rollback");
         db.drop().await;
     }
