@@ -2,7 +2,7 @@
 //! the idempotency literature writes first, on the same Kafka and Postgres, in one run.
 //!
 //! `cargo bench --bench relay -- [--actions N] [--dup 0.1] [--latency-ms 0] [--partitions 6]
-//! [--payload 200] [--concurrency 256] [--rate 0] [--naive-actions N]
+//! [--payload 200] [--concurrency 256] [--rate 0] [--tick-ms 10] [--naive-actions N]
 //! [--modes idem,naive,dbos,restate] [--prefill N]`
 //!
 //! `--prefill N` writes N finished keys into idem's tables before the run (growth);
@@ -56,6 +56,9 @@ struct Opts {
     modes: Vec<String>,
     /// Actions per second to publish at; 0 publishes flat out.
     rate: usize,
+    /// A paced run publishes a tick's actions at once, every `tick_ms`: 10 sends bursts of a
+    /// hundredth of a second's actions, 1 a stream closer to steady.
+    tick_ms: u64,
     /// Finished keys written into idem's tables before the run (growth).
     prefill: usize,
     /// idem's `relay.prune_interval`: `1s` prunes the prefilled keys (30 days old, past the
@@ -86,6 +89,7 @@ fn parse() -> Opts {
         payload: num("--payload", 200),
         concurrency: num("--concurrency", 256),
         rate: num("--rate", 0),
+        tick_ms: num("--tick-ms", 10).max(1) as u64,
         prefill: num("--prefill", 0),
         prune_interval: get("--prune-interval"),
         prune_share: get("--prune-share").map_or(0.1, |v| v.parse().expect("a share")),
@@ -167,13 +171,14 @@ fn check(r: &Report) {
 
 fn print_table(opts: &Opts, reports: &[Report]) {
     println!(
-        "\nworkload: {} dup ratio, {} ms downstream, {} partitions, {} B args, concurrency {}, rate {}{}",
+        "\nworkload: {} dup ratio, {} ms downstream, {} partitions, {} B args, concurrency {}, rate {}{}{}",
         opts.dup,
         opts.latency_ms,
         opts.partitions,
         opts.payload,
         opts.concurrency,
         if opts.rate == 0 { "flat out".to_string() } else { format!("{}/s", opts.rate) },
+        if opts.rate == 0 { String::new() } else { format!(" in {} ms ticks", opts.tick_ms) },
         if opts.full { "" } else { " (smoke)" }
     );
     println!("| mode | actions | actions/s | ratio to idem | p50 ms | p99 ms | p99.9 ms | relay CPU s | peak RSS MiB | PG commits/action | effects == distinct keys |");
@@ -906,13 +911,13 @@ verify = {{ url = "http://{addr}/v1/effects/{{key}}" }}
     let host_before = HostCpu::read();
     let started = Instant::now();
     let mut published: HashMap<String, (Instant, i64)> = HashMap::with_capacity(n);
-    // Flat out, or in 10 ms ticks of rate/100 actions.
+    // Flat out, or in ticks of a tick's share of the rate (at least one action a tick).
     let chunk_size = if opts.rate == 0 {
         1000
     } else {
-        (opts.rate / 100).max(1)
+        (opts.rate * opts.tick_ms as usize / 1000).max(1)
     };
-    let mut tick = tokio::time::interval(Duration::from_millis(10));
+    let mut tick = tokio::time::interval(Duration::from_millis(opts.tick_ms));
     for chunk in events.chunks(chunk_size) {
         if opts.rate > 0 {
             tick.tick().await;
