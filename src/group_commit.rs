@@ -86,43 +86,13 @@ impl<T: Send + 'static, R: Send + 'static> GroupCommit<T, R> {
             let (rx, run, coming) = (rx.clone(), run.clone(), coming.clone());
             tokio::spawn(async move {
                 loop {
-                    let mut items = Vec::with_capacity(max);
-                    {
+                    let items = {
                         let mut rx = rx.lock().await;
-                        match rx.recv().await {
-                            Some(item) => items.push(item),
+                        match gather(&mut rx, max, linger, &coming).await {
+                            Some(items) => items,
                             None => return,
                         }
-                        // From the first request's send: one that queued while the group
-                        // before committed has waited already.
-                        let deadline = items[0].sent + linger;
-                        loop {
-                            while items.len() < max {
-                                match rx.try_recv() {
-                                    Ok(item) => items.push(item),
-                                    Err(_) => break,
-                                }
-                            }
-                            // Received: what is still announced is on its way or given up.
-                            for item in &mut items {
-                                item.expected.take();
-                            }
-                            if items.len() >= max
-                                || linger.is_zero()
-                                || coming.count.load(Ordering::Acquire) == 0
-                            {
-                                break;
-                            }
-                            tokio::select! {
-                                item = rx.recv() => match item {
-                                    Some(item) => items.push(item),
-                                    None => break,
-                                },
-                                _ = coming.changed.notified() => {}
-                                _ = tokio::time::sleep_until(deadline) => break,
-                            }
-                        }
-                    }
+                    };
                     let (requests, replies): (Vec<T>, Vec<oneshot::Sender<R>>) =
                         items.into_iter().map(|i| (i.request, i.reply)).unzip();
                     let answers = run(requests).await;
@@ -155,6 +125,47 @@ impl<T: Send + 'static, R: Send + 'static> GroupCommit<T, R> {
         };
         self.tx.send(item).await.ok()?;
         answer.await.ok()
+    }
+}
+
+/// The next group: the first request waiting (`None` once every sender is gone) and what else
+/// is waiting, then, with a linger, the announced requests as they come, until none is
+/// announced, the group is full, or the linger from the first one's send is over. A request's
+/// announcement ends as it is received: what is still announced is on its way or given up.
+async fn gather<T, R>(
+    rx: &mut mpsc::Receiver<Item<T, R>>,
+    max: usize,
+    linger: Duration,
+    coming: &Coming,
+) -> Option<Vec<Item<T, R>>> {
+    let received = |mut item: Item<T, R>| {
+        item.expected = None;
+        item
+    };
+    let first = received(rx.recv().await?);
+    // From the first request's send: one that queued while the group before committed has
+    // waited already.
+    let deadline = first.sent + linger;
+    let mut items = Vec::with_capacity(max);
+    items.push(first);
+    loop {
+        while items.len() < max {
+            match rx.try_recv() {
+                Ok(item) => items.push(received(item)),
+                Err(_) => break,
+            }
+        }
+        if items.len() >= max || linger.is_zero() || coming.count.load(Ordering::Acquire) == 0 {
+            return Some(items);
+        }
+        tokio::select! {
+            item = rx.recv() => match item {
+                Some(item) => items.push(received(item)),
+                None => return Some(items),
+            },
+            _ = coming.changed.notified() => {}
+            _ = tokio::time::sleep_until(deadline) => return Some(items),
+        }
     }
 }
 

@@ -105,6 +105,31 @@ async fn finish_group(
     Ok(states)
 }
 
+/// [`finish_group`] for a group's results, each answered: one result the database refuses
+/// is finished alone, so it does not fail the others.
+async fn finish_each(
+    pool: &Pool,
+    items: &[Finish],
+    handoff: &Handoff,
+) -> Vec<Result<Option<KeyState>, GroupError>> {
+    match finish_group(pool, items, handoff).await {
+        Ok(states) => states.into_iter().map(Ok).collect(),
+        Err(e) if e.refuses_data() && items.len() > 1 => {
+            let mut answers = Vec::with_capacity(items.len());
+            for item in items {
+                answers.push(
+                    match finish_group(pool, std::slice::from_ref(item), handoff).await {
+                        Ok(mut states) => Ok(states.pop().flatten()),
+                        Err(e) => Err(GroupError::from(&e)),
+                    },
+                );
+            }
+            answers
+        }
+        Err(e) => vec![Err(GroupError::from(&e)); items.len()],
+    }
+}
+
 /// Retries work the database cannot do now (down, read-only, out of space) with backoff, for
 /// as long as it takes: every write of a claim is fenced by its epoch, so a write that comes
 /// back after another relay took the key over is refused, never applied twice. A call's result
@@ -268,31 +293,7 @@ impl Executor {
                 FINISH_LINGER,
                 move |items: Vec<Finish>| {
                     let (pool, handoff) = (pool.clone(), handoff.clone());
-                    async move {
-                        match finish_group(&pool, &items, &handoff).await {
-                            Ok(states) => states.into_iter().map(Ok).collect(),
-                            // One result the database refuses must not fail the others.
-                            Err(e) if e.refuses_data() && items.len() > 1 => {
-                                let mut answers = Vec::with_capacity(items.len());
-                                for item in &items {
-                                    answers.push(
-                                        match finish_group(
-                                            &pool,
-                                            std::slice::from_ref(item),
-                                            &handoff,
-                                        )
-                                        .await
-                                        {
-                                            Ok(mut states) => Ok(states.pop().flatten()),
-                                            Err(e) => Err(GroupError::from(&e)),
-                                        },
-                                    );
-                                }
-                                answers
-                            }
-                            Err(e) => vec![Err(GroupError::from(&e)); items.len()],
-                        }
-                    }
+                    async move { finish_each(&pool, &items, &handoff).await }
                 },
             )
         };

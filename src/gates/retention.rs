@@ -387,15 +387,15 @@ mod tests {
             .await
             .expect("settings");
         }
-        for (name, prune, params) in [
-            ("dead letters", PRUNE_DEAD_LETTER_DELIVERIES, "604800, 10"),
-            ("tombstones", PRUNE_TOMBSTONES, "10"),
+        for (name, prune, types, params) in [
+            (
+                "dead letters",
+                PRUNE_DEAD_LETTER_DELIVERIES,
+                "float8, int8",
+                "604800, 10",
+            ),
+            ("tombstones", PRUNE_TOMBSTONES, "int8", "10"),
         ] {
-            let types = if params.contains(',') {
-                "float8, int8"
-            } else {
-                "int8"
-            };
             let prepare = format!("deallocate all; prepare p({types}) as {prune}");
             for c in [&db.pg, &other] {
                 c.batch_execute(&prepare).await.expect("prepare");

@@ -221,8 +221,8 @@ fn last_span(secs: i64) -> String {
 }
 
 pub fn overview(session: &Session, o: &Overview, consumer_lag: i64) -> String {
-    let span = last_span(o.span_secs);
-    let shorter = if o.span_secs < super::queries::OVERVIEW_SPANS[0] {
+    let span = last_span(o.counts.span_secs);
+    let shorter = if o.counts.span_secs < super::queries::OVERVIEW_SPANS[0] {
         format!(
             r#"<p class="hint">Counting the last hour took longer than {} s (its keys are many): these are the counts of {}.</p>"#,
             super::queries::OVERVIEW_BUDGET.as_secs(),
@@ -232,6 +232,7 @@ pub fn overview(session: &Session, o: &Overview, consumer_lag: i64) -> String {
         String::new()
     };
     let mut tools: Vec<&str> = o
+        .counts
         .by_tool_status
         .iter()
         .map(|(t, _, _)| t.as_str())
@@ -255,6 +256,7 @@ pub fn overview(session: &Session, o: &Overview, consumer_lag: i64) -> String {
         let _ = write!(t, "<tr><td>{}</td>", esc(tool));
         for s in statuses {
             let n = o
+                .counts
                 .by_tool_status
                 .iter()
                 .find(|(tt, ss, _)| tt == tool && ss == s)
@@ -274,14 +276,14 @@ pub fn overview(session: &Session, o: &Overview, consumer_lag: i64) -> String {
     t.push_str("</tbody></table>");
     let mut origins =
         String::from("<table><thead><tr><th>origin</th><th>deliveries</th></tr></thead><tbody>");
-    for (origin, n) in &o.by_origin {
+    for (origin, n) in &o.counts.by_origin {
         let _ = write!(
             origins,
             r#"<tr><td>{}</td><td class="num">{n}</td></tr>"#,
             esc(origin)
         );
     }
-    if o.by_origin.is_empty() {
+    if o.counts.by_origin.is_empty() {
         origins.push_str(r#"<tr><td colspan="2" class="empty">None.</td></tr>"#);
     }
     origins.push_str("</tbody></table>");
@@ -570,9 +572,11 @@ mod tests {
     #[test]
     fn the_overview_names_the_span_it_counted() {
         let mut o = Overview {
-            span_secs: 3600,
-            by_tool_status: vec![("refund".into(), "succeeded".into(), 3)],
-            by_origin: vec![("first".into(), 3)],
+            counts: super::super::queries::Counts {
+                span_secs: 3600,
+                by_tool_status: vec![("refund".into(), "succeeded".into(), 3)],
+                by_origin: vec![("first".into(), 3)],
+            },
             outbox_pending: 0,
             outbox_oldest_secs: 0.0,
             leases: vec![],
@@ -581,7 +585,7 @@ mod tests {
         assert!(hour.contains("Keys recorded in the last hour, by tool and status"));
         assert!(hour.contains("Deliveries in the last hour, by origin"));
         assert!(!hour.contains("took longer"), "{hour}");
-        o.span_secs = 300;
+        o.counts.span_secs = 300;
         let shorter = overview(&admin(), &o, 0);
         assert!(shorter.contains("Keys recorded in the last 5 minutes, by tool and status"));
         assert!(shorter.contains("Deliveries in the last 5 minutes, by origin"));

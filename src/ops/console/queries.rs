@@ -158,12 +158,7 @@ pub const OVERVIEW_SPANS: [i64; 3] = [3600, 300, 60];
 /// The last hour (or the span counted instead), and now.
 #[derive(Debug, Clone)]
 pub struct Overview {
-    /// The span counted, in seconds: an hour, or less when counting the hour took too long.
-    pub span_secs: i64,
-    /// (tool, status, keys recorded in the span).
-    pub by_tool_status: Vec<(String, String, i64)>,
-    /// (origin, deliveries in the span): `first` and each kind of repeat.
-    pub by_origin: Vec<(String, i64)>,
+    pub counts: Counts,
     /// Outcome events not yet published, and the age of the oldest.
     pub outbox_pending: i64,
     pub outbox_oldest_secs: f64,
@@ -184,10 +179,14 @@ async fn outbox_lag(tx: &deadpool_postgres::Transaction<'_>) -> Result<(i64, f64
 }
 
 /// Keys by tool and status, and deliveries by origin, of one span.
-struct Counts {
-    span_secs: i64,
-    by_tool_status: Vec<(String, String, i64)>,
-    by_origin: Vec<(String, i64)>,
+#[derive(Debug, Clone)]
+pub struct Counts {
+    /// The span counted, in seconds: an hour, or less when counting the hour took too long.
+    pub span_secs: i64,
+    /// (tool, status, keys recorded in the span).
+    pub by_tool_status: Vec<(String, String, i64)>,
+    /// (origin, deliveries in the span): `first` and each kind of repeat.
+    pub by_origin: Vec<(String, i64)>,
 }
 
 /// The counts of the longest of [`OVERVIEW_SPANS`] each of whose statements ends within
@@ -315,9 +314,7 @@ pub async fn overview(pool: &Pool) -> Result<Overview, DbError> {
     let (outbox_pending, outbox_oldest_secs) = outbox_lag(&tx).await?;
     tx.commit().await?;
     Ok(Overview {
-        span_secs: counts.span_secs,
-        by_tool_status: counts.by_tool_status,
-        by_origin: counts.by_origin,
+        counts,
         outbox_pending,
         outbox_oldest_secs,
         leases,
