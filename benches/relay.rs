@@ -3,8 +3,11 @@
 //!
 //! `cargo bench --bench relay -- [--actions N] [--dup 0.1] [--latency-ms 0] [--partitions 6]
 //! [--payload 200] [--concurrency 256] [--rate 0] [--tick-ms 10] [--naive-actions N]
-//! [--modes idem,naive,dbos,restate] [--prefill N]`
+//! [--modes idem,naive,dbos,restate] [--prefill N] [--slow-share 0] [--slow-ms 200]`
 //!
+//! `--slow-share S` (idem only) sends a share S of the keys to a second tool, `slow`, whose
+//! downstream answers after `--slow-ms`, and reports the two tools' latencies apart: what a slow
+//! tool's calls under way cost the others' results.
 //! `--prefill N` writes N finished keys into idem's tables before the run (growth);
 //! `--prune-interval 1s` has the relay prune them (they are past retention) during the run,
 //! paced to `--prune-share` (idem's `relay.prune_share`, default 0.1); the run then reports how
@@ -66,6 +69,9 @@ struct Opts {
     prune_interval: Option<String>,
     /// idem's `relay.prune_share`.
     prune_share: f64,
+    /// The share of keys sent to the tool `slow`, whose downstream answers after `slow_ms`.
+    slow_share: f64,
+    slow_ms: u64,
     full: bool,
 }
 
@@ -93,6 +99,8 @@ fn parse() -> Opts {
         prefill: num("--prefill", 0),
         prune_interval: get("--prune-interval"),
         prune_share: get("--prune-share").map_or(0.1, |v| v.parse().expect("a share")),
+        slow_share: get("--slow-share").map_or(0.0, |v| v.parse().expect("a share")),
+        slow_ms: num("--slow-ms", 200) as u64,
         modes: get("--modes").map_or_else(
             || vec!["idem".into(), "naive".into()],
             |m| m.split(',').map(str::to_string).collect(),
@@ -142,6 +150,10 @@ fn main() {
         return;
     }
     let opts = parse();
+    assert!(
+        opts.slow_share == 0.0 || opts.modes == ["idem"],
+        "--slow-share is measured for idem only (--modes idem): the peers call one downstream"
+    );
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -209,24 +221,49 @@ fn print_table(opts: &Opts, reports: &[Report]) {
 
 /// One event per action; `dup` of them repeat an earlier key (half replays, half rewordings).
 /// `tag` makes the run's keys and event ids its own, so runs can share idem's tables
-/// (`IDEM_BENCH_SCHEMA`).
-fn workload(n: usize, dup: f64, payload: usize, tag: &str) -> (Vec<(String, Value)>, usize) {
+/// (`IDEM_BENCH_SCHEMA`). A `slow` share of the keys, spread evenly, name the tool `slow`.
+fn workload(n: usize, dup: f64, payload: usize, slow: f64, tag: &str) -> Workload {
     let distinct = ((n as f64) * (1.0 - dup)).round().max(1.0) as usize;
     let pad = "x".repeat(payload);
+    // Key k is slow when the running count of slow keys steps up at k.
+    let is_slow = |k: usize| ((k + 1) as f64 * slow).floor() > (k as f64 * slow).floor();
+    let mut slow_ids = std::collections::HashSet::new();
     let events = (0..n)
         .map(|i| {
             let k = if i < distinct { i } else { (i * 7919) % distinct };
             let subject = if i >= distinct && i % 2 == 1 { "reworded" } else { "hello" };
             let id = format!("{tag}-{i}");
+            let tool = if is_slow(k) {
+                slow_ids.insert(id.clone());
+                "slow"
+            } else {
+                "send"
+            };
             let event = json!({
                 "specversion": "1.0", "id": id, "source": "bench", "type": "dev.idem.action.v1",
-                "data": {"run_id": format!("{tag}-run-{}", k % 97), "tool": "send", "business_id": format!("b{k}"),
+                "data": {"run_id": format!("{tag}-run-{}", k % 97), "tool": tool, "business_id": format!("b{k}"),
                          "args": {"to": format!("c{k}"), "subject": subject, "pad": pad}}
             });
             (id, event)
         })
         .collect();
-    (events, distinct)
+    Workload {
+        events,
+        distinct,
+        slow_ids,
+    }
+}
+
+/// The `p` quantile of `v`, sorted.
+fn percentile(v: &[f64], p: f64) -> f64 {
+    v[((v.len() as f64 - 1.0) * p).round() as usize]
+}
+
+struct Workload {
+    events: Vec<(String, Value)>,
+    distinct: usize,
+    /// The ids of the events naming the tool `slow`.
+    slow_ids: std::collections::HashSet<String>,
 }
 
 /// The action event id an outcome answers (`data.action_event_id`), read without building the
@@ -779,7 +816,15 @@ key = ["run_id", "tool", "business_id"]
 material = ["args.to"]
 executor = {{ kind = "http", url = "{url}", timeout = "10s" }}
 verify = {{ url = "http://{addr}/v1/effects/{{key}}" }}
+[[tools]]
+name = "slow"
+class = "dangerous"
+key = ["run_id", "tool", "business_id"]
+material = ["args.to"]
+executor = {{ kind = "http", url = "http://{addr}/v1/send?delay_ms={slow_ms}", timeout = "10s" }}
+verify = {{ url = "http://{addr}/v1/effects/{{key}}" }}
 "#,
+                slow_ms = opts.slow_ms,
                 brokers = brokers(),
                 partitions = opts.partitions,
                 pg = postgres_url(),
@@ -894,7 +939,11 @@ verify = {{ url = "http://{addr}/v1/effects/{{key}}" }}
         })
     };
 
-    let (events, distinct) = workload(n, opts.dup, opts.payload, &base);
+    let Workload {
+        events,
+        distinct,
+        slow_ids,
+    } = workload(n, opts.dup, opts.payload, opts.slow_share, &base);
     let producer: FutureProducer = bench_client()
         // Paced, an action waits at most a millisecond in the producer (an agent sends one
         // call at a time); flat out, the producer batches.
@@ -1010,14 +1059,34 @@ verify = {{ url = "http://{addr}/v1/effects/{{key}}" }}
             })
             .unzip()
     };
+    if !slow_ids.is_empty() {
+        let a = answered.lock().unwrap();
+        let (mut slow, mut fast): (Vec<f64>, Vec<f64>) = (Vec::new(), Vec::new());
+        for (id, (t, _)) in &published {
+            let ms = a[id].0.duration_since(*t).as_secs_f64() * 1000.0;
+            if slow_ids.contains(id) {
+                slow.push(ms);
+            } else {
+                fast.push(ms);
+            }
+        }
+        for (tool, v) in [("send", &mut fast), ("slow", &mut slow)] {
+            v.sort_by(f64::total_cmp);
+            eprintln!(
+                "{mode}: tool {tool} alone ({} actions): send → outcome seen p50 {:.1} ms, p99 {:.1} ms",
+                v.len(),
+                percentile(v, 0.5),
+                percentile(v, 0.99)
+            );
+        }
+    }
     latencies.sort_by(f64::total_cmp);
     to_produced.sort_by(f64::total_cmp);
-    let at = |v: &[f64], p: f64| v[((v.len() as f64 - 1.0) * p).round() as usize];
-    let pct = |p: f64| at(&latencies, p);
+    let pct = |p: f64| percentile(&latencies, p);
     eprintln!(
         "{mode}: send → outcome produced p50 {:.0} ms, p99 {:.0} ms; send → outcome seen p50 {:.1} ms, p99 {:.1} ms",
-        at(&to_produced, 0.5),
-        at(&to_produced, 0.99),
+        percentile(&to_produced, 0.5),
+        percentile(&to_produced, 0.99),
         pct(0.5),
         pct(0.99)
     );

@@ -37,24 +37,41 @@ struct Item<T, R> {
 
 pub struct GroupCommit<T, R> {
     tx: mpsc::Sender<Item<T, R>>,
-    coming: Arc<Coming>,
+    /// Notified as an announcement ends.
+    changed: Arc<Notify>,
 }
 
-/// Requests announced and not yet received by a worker (see [`GroupCommit::expect`]).
-#[derive(Default)]
-struct Coming {
-    count: AtomicUsize,
-    changed: Notify,
+/// Requests of one kind (a tool's calls, which tend to end together), as announced by
+/// [`GroupCommit::expect`]: a group waits only for the announced requests of the cohorts of
+/// the requests it holds, so a slow tool's calls under way do not hold a fast one's results.
+#[derive(Clone, Default)]
+pub struct Cohort(Arc<AtomicUsize>);
+
+impl Cohort {
+    /// Announced requests of this cohort not yet received by a worker.
+    fn announced(&self) -> usize {
+        self.0.load(Ordering::Acquire)
+    }
 }
 
-/// A request on its way: while any is, a group that has begun to form waits for it, up to the
-/// group's linger. Dropped when a worker receives its request, or when it is given up.
-pub struct Expected(Arc<Coming>);
+/// A request on its way: while any of its cohort is, a group holding one of that cohort waits
+/// for it, up to the group's linger. Dropped when a worker receives its request, or when it
+/// is given up.
+pub struct Expected {
+    cohort: Cohort,
+    changed: Arc<Notify>,
+}
+
+impl Expected {
+    pub fn cohort(&self) -> &Cohort {
+        &self.cohort
+    }
+}
 
 impl Drop for Expected {
     fn drop(&mut self) {
-        self.0.count.fetch_sub(1, Ordering::AcqRel);
-        self.0.changed.notify_one();
+        self.cohort.0.fetch_sub(1, Ordering::AcqRel);
+        self.changed.notify_one();
     }
 }
 
@@ -72,7 +89,8 @@ impl<T: Send + 'static, R: Send + 'static> GroupCommit<T, R> {
 
     /// As [`GroupCommit::spawn`], but a group that has begun to form waits, up to `linger`
     /// after its first request was sent, for the requests announced by [`GroupCommit::expect`]
-    /// and not received yet, so calls that end together commit together.
+    /// in its requests' cohorts and not received yet, so calls that end together commit
+    /// together.
     pub fn spawn_lingering<F, Fut>(max: usize, workers: usize, linger: Duration, run: F) -> Self
     where
         F: Fn(Vec<T>) -> Fut + Send + Sync + 'static,
@@ -81,14 +99,14 @@ impl<T: Send + 'static, R: Send + 'static> GroupCommit<T, R> {
         let (tx, rx) = mpsc::channel::<Item<T, R>>(max * workers * 2);
         let rx = Arc::new(Mutex::new(rx));
         let run = Arc::new(run);
-        let coming = Arc::new(Coming::default());
+        let changed = Arc::new(Notify::new());
         for _ in 0..workers {
-            let (rx, run, coming) = (rx.clone(), run.clone(), coming.clone());
+            let (rx, run, changed) = (rx.clone(), run.clone(), changed.clone());
             tokio::spawn(async move {
                 loop {
                     let items = {
                         let mut rx = rx.lock().await;
-                        match gather(&mut rx, max, linger, &coming).await {
+                        match gather(&mut rx, max, linger, &changed).await {
                             Some(items) => items,
                             None => return,
                         }
@@ -103,14 +121,17 @@ impl<T: Send + 'static, R: Send + 'static> GroupCommit<T, R> {
                 }
             });
         }
-        GroupCommit { tx, coming }
+        GroupCommit { tx, changed }
     }
 
-    /// Announces a request that will come (a call under way whose result will be sent): a
-    /// group forming meanwhile waits for it, up to its linger.
-    pub fn expect(&self) -> Expected {
-        self.coming.count.fetch_add(1, Ordering::AcqRel);
-        Expected(self.coming.clone())
+    /// Announces a request of `cohort` that will come (a call under way whose result will be
+    /// sent): a group holding a request of that cohort waits for it, up to its linger.
+    pub fn expect(&self, cohort: &Cohort) -> Expected {
+        cohort.0.fetch_add(1, Ordering::AcqRel);
+        Expected {
+            cohort: cohort.clone(),
+            changed: self.changed.clone(),
+        }
     }
 
     /// Sends one request and waits for its answer; `None` once the workers are gone. Its
@@ -129,20 +150,30 @@ impl<T: Send + 'static, R: Send + 'static> GroupCommit<T, R> {
 }
 
 /// The next group: the first request waiting (`None` once every sender is gone) and what else
-/// is waiting, then, with a linger, the announced requests as they come, until none is
-/// announced, the group is full, or the linger from the first one's send is over. A request's
-/// announcement ends as it is received: what is still announced is on its way or given up.
+/// is waiting, then, with a linger, the announced requests of its cohorts as they come, until
+/// none is announced, the group is full, or the linger from the first one's send is over. A
+/// request's announcement ends as it is received: what is still announced is on its way or
+/// given up.
 async fn gather<T, R>(
     rx: &mut mpsc::Receiver<Item<T, R>>,
     max: usize,
     linger: Duration,
-    coming: &Coming,
+    changed: &Notify,
 ) -> Option<Vec<Item<T, R>>> {
-    let received = |mut item: Item<T, R>| {
-        item.expected = None;
+    // The cohorts of the requests in the group, each once.
+    let mut cohorts: Vec<Cohort> = Vec::new();
+    let received = |mut item: Item<T, R>, cohorts: &mut Vec<Cohort>| {
+        if let Some(expected) = item.expected.take() {
+            if !cohorts
+                .iter()
+                .any(|c| Arc::ptr_eq(&c.0, &expected.cohort.0))
+            {
+                cohorts.push(expected.cohort.clone());
+            }
+        }
         item
     };
-    let first = received(rx.recv().await?);
+    let first = received(rx.recv().await?, &mut cohorts);
     // From the first request's send: one that queued while the group before committed has
     // waited already.
     let deadline = first.sent + linger;
@@ -151,19 +182,19 @@ async fn gather<T, R>(
     loop {
         while items.len() < max {
             match rx.try_recv() {
-                Ok(item) => items.push(received(item)),
+                Ok(item) => items.push(received(item, &mut cohorts)),
                 Err(_) => break,
             }
         }
-        if items.len() >= max || linger.is_zero() || coming.count.load(Ordering::Acquire) == 0 {
+        if items.len() >= max || linger.is_zero() || cohorts.iter().all(|c| c.announced() == 0) {
             return Some(items);
         }
         tokio::select! {
             item = rx.recv() => match item {
-                Some(item) => items.push(received(item)),
+                Some(item) => items.push(received(item, &mut cohorts)),
                 None => return Some(items),
             },
-            _ = coming.changed.notified() => {}
+            _ = changed.notified() => {}
             _ = tokio::time::sleep_until(deadline) => return Some(items),
         }
     }
@@ -218,7 +249,8 @@ mod tests {
         // A linger far longer than the test's deadline: only the last announced request's
         // arrival can let the group go.
         let (b, sizes) = sizes_of(Duration::from_secs(600));
-        let announced: Vec<Expected> = (0..3).map(|_| b.expect()).collect();
+        let cohort = Cohort::default();
+        let announced: Vec<Expected> = (0..3).map(|_| b.expect(&cohort)).collect();
         let calls = announced.into_iter().enumerate().map(|(i, expected)| {
             let b = b.clone();
             async move {
@@ -241,7 +273,8 @@ mod tests {
         let alone = tokio::time::timeout(DEADLINE, b.call_expected(1, None)).await;
         assert_eq!(alone.expect("not held"), Some(1));
         // Two announced, one given up (its call failed before it had a result to send).
-        let (sent, given_up) = (b.expect(), b.expect());
+        let cohort = Cohort::default();
+        let (sent, given_up) = (b.expect(&cohort), b.expect(&cohort));
         let waiting = {
             let b = b.clone();
             tokio::spawn(async move { b.call_expected(2, Some(sent)).await })
@@ -260,14 +293,42 @@ mod tests {
     #[tokio::test]
     async fn a_group_waits_no_longer_than_its_linger() {
         let (b, sizes) = sizes_of(Duration::from_millis(50));
-        let _never_sent = b.expect();
+        let cohort = Cohort::default();
+        let _never_sent = b.expect(&cohort);
         let started = tokio::time::Instant::now();
-        let answer = tokio::time::timeout(DEADLINE, b.call_expected(7, None)).await;
+        let answer =
+            tokio::time::timeout(DEADLINE, b.call_expected(7, Some(b.expect(&cohort)))).await;
         assert_eq!(answer.expect("the linger ended the wait"), Some(7));
         assert!(
             started.elapsed() >= Duration::from_millis(50),
             "the group waited for the one announced"
         );
         assert_eq!(*sizes.lock().unwrap(), vec![1]);
+    }
+
+    #[tokio::test]
+    async fn another_cohorts_requests_under_way_do_not_hold_a_group() {
+        let (b, sizes) = sizes_of(Duration::from_secs(600));
+        let (slow, fast) = (Cohort::default(), Cohort::default());
+        // A slow tool's call under way, and a fast tool's two calls.
+        let _under_way = b.expect(&slow);
+        let (first, second) = (b.expect(&fast), b.expect(&fast));
+        let waiting = {
+            let b = b.clone();
+            tokio::spawn(async move { b.call_expected(1, Some(first)).await })
+        };
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(
+            !waiting.is_finished(),
+            "the group waits for its own cohort's call"
+        );
+        let answers = tokio::time::timeout(
+            DEADLINE,
+            futures::future::join(waiting, b.call_expected(2, Some(second))),
+        )
+        .await
+        .expect("not held by the other cohort's call");
+        assert_eq!((answers.0.unwrap(), answers.1), (Some(1), Some(2)));
+        assert_eq!(*sizes.lock().unwrap(), vec![2]);
     }
 }

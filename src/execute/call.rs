@@ -116,11 +116,9 @@ impl Executor {
     /// Waits out `sleep` with the call's result no longer announced: a finish group forming
     /// meanwhile does not wait for a result that far off.
     async fn pause(&self, run: &mut Run<'_>, sleep: impl std::future::Future<Output = ()>) {
-        let announced = run.announced.take().is_some();
+        let cohort = run.announced.take().map(|e| e.cohort().clone());
         sleep.await;
-        if announced {
-            *run.announced = Some(self.finishes.expect());
-        }
+        *run.announced = cohort.map(|c| self.finishes.expect(&c));
     }
 
     /// Asks the downstream whether the effect happened.
