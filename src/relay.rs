@@ -114,6 +114,7 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Handle
                 .map(|t| (t.name.clone(), t.approval_timeout))
                 .collect(),
         ),
+        overview_span: Arc::default(),
         mcp: Arc::new(
             crate::mcp::Shared::new(&config, crate::mcp::HTTP_WAIT)
                 .map_err(|e| RelayError::Mcp(format!("{e:#}")))?,

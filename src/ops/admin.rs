@@ -35,6 +35,8 @@ pub struct AdminState {
     pub mcp: Arc<crate::mcp::Shared>,
     /// Each gated tool's `approval_timeout`, for the console's deadlines.
     pub approval_timeouts: Arc<std::collections::HashMap<String, Duration>>,
+    /// The shorter span the console's overview last fell back to.
+    pub overview_span: Arc<crate::ops::console::SpanMemory>,
 }
 
 /// The bearer tokens of the `/v1/` endpoints.

@@ -21,6 +21,7 @@ mod html;
 mod queries;
 mod session;
 
+pub use queries::SpanMemory;
 use session::{Role, Session};
 
 const STYLESHEET: &str = include_str!("console.css");
@@ -260,7 +261,7 @@ async fn overview(State(s): State<AdminState>, headers: HeaderMap) -> Response {
     let Some(session) = session_of(&s, &headers) else {
         return see_other("/ui/login");
     };
-    match queries::overview(&s.pool).await {
+    match queries::overview(&s.pool, &s.overview_span).await {
         Ok(o) => page(
             StatusCode::OK,
             html::overview(&session, &o, s.metrics.consumer_lag_total()),

@@ -155,6 +155,38 @@ pub const OVERVIEW_BUDGET: std::time::Duration = std::time::Duration::from_secs(
 /// is counted whatever it takes.
 pub const OVERVIEW_SPANS: [i64; 3] = [3600, 300, 60];
 
+/// How long the overview keeps to the shorter span it fell back to before it tries the hour
+/// again: at a rate whose hour takes longer than the budget to count, a view pays that budget
+/// once every so often rather than every time.
+pub const OVERVIEW_REMEMBER: std::time::Duration = std::time::Duration::from_secs(300);
+
+/// The shorter span the overview last fell back to (an index into [`OVERVIEW_SPANS`]), and
+/// when: the next views start there, until [`OVERVIEW_REMEMBER`] has passed.
+#[derive(Debug, Default)]
+pub struct SpanMemory(std::sync::Mutex<Option<(usize, std::time::Instant)>>);
+
+impl SpanMemory {
+    /// The first span worth trying at `now`.
+    fn first(&self, now: std::time::Instant) -> usize {
+        match *self.0.lock().expect("not poisoned") {
+            Some((i, at)) if now.saturating_duration_since(at) < OVERVIEW_REMEMBER => i,
+            _ => 0,
+        }
+    }
+
+    /// Span `counted` was counted at `now`, the view having started at span `first`. A fall
+    /// back is remembered from now; a view that started at the remembered span keeps its time,
+    /// so the hour is tried again once [`OVERVIEW_REMEMBER`] has passed since it was too slow.
+    fn counted(&self, first: usize, counted: usize, now: std::time::Instant) {
+        let mut memory = self.0.lock().expect("not poisoned");
+        if counted == 0 {
+            *memory = None;
+        } else if counted > first || memory.is_none() {
+            *memory = Some((counted, now));
+        }
+    }
+}
+
 /// The last hour (or the span counted instead), and now.
 #[derive(Debug, Clone)]
 pub struct Overview {
@@ -189,15 +221,17 @@ pub struct Counts {
     pub by_origin: Vec<(String, i64)>,
 }
 
-/// The counts of the longest of [`OVERVIEW_SPANS`] each of whose statements ends within
-/// `budget`, in the caller's transaction (a span given up is rolled back to a savepoint, so
-/// the transaction and its snapshot go on).
+/// The counts of the longest of [`OVERVIEW_SPANS`], from the `first`, each of whose
+/// statements ends within `budget`, in the caller's transaction (a span given up is rolled
+/// back to a savepoint, so the transaction and its snapshot go on); with the index of the span
+/// counted.
 async fn last_hour_within(
     tx: &deadpool_postgres::Transaction<'_>,
     budget: std::time::Duration,
-) -> Result<Counts, DbError> {
-    let (last, within) = OVERVIEW_SPANS.split_last().expect("spans");
-    for &span in within {
+    first: usize,
+) -> Result<(usize, Counts), DbError> {
+    let last = OVERVIEW_SPANS.len() - 1;
+    for (i, &span) in OVERVIEW_SPANS.iter().enumerate().take(last).skip(first) {
         tx.batch_execute("savepoint span").await?;
         let deadline = std::time::Instant::now() + budget;
         let counted = counts(tx, span, Some((deadline, budget))).await;
@@ -206,13 +240,13 @@ async fn last_hour_within(
         tx.batch_execute("rollback to savepoint span; release savepoint span")
             .await?;
         match counted {
-            Ok(counts) => return Ok(counts),
+            Ok(counts) => return Ok((i, counts)),
             Err(DbError::Postgres(e))
                 if e.code() == Some(&tokio_postgres::error::SqlState::QUERY_CANCELED) => {}
             Err(e) => return Err(e),
         }
     }
-    counts(tx, *last, None).await
+    Ok((last, counts(tx, OVERVIEW_SPANS[last], None).await?))
 }
 
 /// The `statement_timeout` that leaves a statement what is left of `budget` until `deadline`,
@@ -289,7 +323,8 @@ async fn counts(
     })
 }
 
-pub async fn overview(pool: &Pool) -> Result<Overview, DbError> {
+/// The overview's page, its span chosen with `memory` (see [`SpanMemory`]).
+pub async fn overview(pool: &Pool, memory: &SpanMemory) -> Result<Overview, DbError> {
     let mut client = pool.get().await?;
     // One snapshot for the whole page; the outbox lag last, as it changes a setting.
     let tx = client
@@ -298,7 +333,9 @@ pub async fn overview(pool: &Pool) -> Result<Overview, DbError> {
         .read_only(true)
         .start()
         .await?;
-    let counts = last_hour_within(&tx, OVERVIEW_BUDGET).await?;
+    let first = memory.first(std::time::Instant::now());
+    let (counted, counts) = last_hour_within(&tx, OVERVIEW_BUDGET, first).await?;
+    memory.counted(first, counted, std::time::Instant::now());
     let leases = tx
         .query(
             "select lease_owner, count(*),
@@ -442,7 +479,7 @@ mod tests {
         };
         let usual = statement_timeout(&tx).await;
         let before = scans().await;
-        let counts = super::last_hour_within(&tx, super::OVERVIEW_BUDGET)
+        let (_, counts) = super::last_hour_within(&tx, super::OVERVIEW_BUDGET, 0)
             .await
             .expect("counts");
         let read = scans().await - before;
@@ -486,7 +523,7 @@ mod tests {
         let tx = db.pg.transaction().await.expect("begin");
         let usual = statement_timeout(&tx).await;
         let budget = std::time::Duration::from_millis(10);
-        let counts = super::last_hour_within(&tx, budget)
+        let (_, counts) = super::last_hour_within(&tx, budget, 0)
             .await
             .expect("a shorter span, not an error");
         assert!(
@@ -498,7 +535,39 @@ mod tests {
         assert_eq!(counts.by_origin, vec![("first".to_string(), 10)]);
         // The transaction goes on, with its usual timeout, for the rest of the page.
         assert_eq!(statement_timeout(&tx).await, usual);
+        // A view that starts at the span remembered (five minutes) does not count the hour,
+        // which the whole budget would have allowed.
+        let (i, counts) = super::last_hour_within(&tx, super::OVERVIEW_BUDGET, 1)
+            .await
+            .expect("counts");
+        assert_eq!((i, counts.span_secs), (1, 300));
+        assert_eq!(counts.by_tool_status, keys, "the five minutes' keys alone");
         tx.rollback().await.expect("rollback");
         db.drop().await;
+    }
+
+    #[test]
+    fn a_shorter_span_is_remembered_until_the_hour_is_due_again() {
+        use super::{SpanMemory, OVERVIEW_REMEMBER};
+        let minute = Duration::from_secs(60);
+        let t0 = std::time::Instant::now();
+        let memory = SpanMemory::default();
+        assert_eq!(memory.first(t0), 0, "nothing remembered: the hour first");
+        // The hour was too slow; five minutes fit.
+        memory.counted(0, 1, t0);
+        assert_eq!(memory.first(t0 + minute), 1);
+        // Views that start there and fit do not put off the hour's next try.
+        memory.counted(1, 1, t0 + minute);
+        assert_eq!(memory.first(t0 + OVERVIEW_REMEMBER - minute), 1);
+        let due = t0 + OVERVIEW_REMEMBER;
+        assert_eq!(memory.first(due), 0, "the hour is tried again");
+        // Too slow again: remembered from this try. Then five minutes too slow as well.
+        memory.counted(0, 1, due);
+        assert_eq!(memory.first(due + OVERVIEW_REMEMBER - minute), 1);
+        memory.counted(1, 2, due + minute);
+        assert_eq!(memory.first(due + OVERVIEW_REMEMBER), 2);
+        // The hour fit: forgotten.
+        memory.counted(0, 0, due + 2 * OVERVIEW_REMEMBER);
+        assert_eq!(memory.first(due + 2 * OVERVIEW_REMEMBER), 0);
     }
 }
