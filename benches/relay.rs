@@ -422,11 +422,8 @@ impl HostCpu {
                 }
             } else if *pid == me {
                 cpu.bench += cpu_seconds(f, UTIME);
-            } else if comm == "java" {
-                let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-                if cmdline.windows(11).any(|w| w == b"kafka.Kafka") {
-                    cpu.broker += cpu_seconds(f, UTIME);
-                }
+            } else if comm == "java" && is_broker(*pid) {
+                cpu.broker += cpu_seconds(f, UTIME);
             }
         }
         // The first line: user nice system idle iowait irq softirq steal guest guest_nice.
@@ -469,6 +466,79 @@ impl HostCpu {
             "CPU µs per action: {}; together {:.0}",
             named.join(", "),
             us(total)
+        )
+    }
+}
+
+/// A process running the Kafka broker (`kafka.Kafka`).
+fn is_broker(pid: u32) -> bool {
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+    cmdline.windows(11).any(|w| w == b"kafka.Kafka")
+}
+
+/// The broker's garbage collections so far, as the JDK's `jstat -gc` reads them (a broker on
+/// another host, or no `jstat`: `None`). Its pauses stop every Kafka request meanwhile, a part
+/// of the paced runs' p99 that grows with the broker's uptime (G1 shrinks its young
+/// generation to meet its pause goal, and collects more often: `benches/HISTORY.md`, stop 41).
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct BrokerGc {
+    young: u64,
+    young_secs: f64,
+    full: u64,
+    full_secs: f64,
+}
+
+impl BrokerGc {
+    /// `jstat` starts a JVM of its own (about half a second of CPU): read outside the window
+    /// whose CPU is measured.
+    async fn read() -> Option<Self> {
+        let pid = processes()
+            .into_iter()
+            .find(|(pid, comm, _)| comm == "java" && is_broker(*pid))?
+            .0;
+        let out = tokio::process::Command::new("jstat")
+            .args(["-gc", &pid.to_string()])
+            .output()
+            .await
+            .ok()?;
+        BrokerGc::parse(&String::from_utf8_lossy(&out.stdout))
+    }
+
+    /// `jstat -gc`'s two lines: the columns' names, then their values.
+    fn parse(text: &str) -> Option<Self> {
+        let mut lines = text.lines();
+        let (names, values) = (lines.next()?, lines.next()?);
+        let columns: HashMap<&str, &str> = names
+            .split_whitespace()
+            .zip(values.split_whitespace())
+            .collect();
+        let number = |name: &str| columns.get(name)?.parse::<f64>().ok();
+        Some(BrokerGc {
+            young: number("YGC")? as u64,
+            young_secs: number("YGCT")?,
+            full: number("FGC")? as u64,
+            full_secs: number("FGCT")?,
+        })
+    }
+
+    /// The collections from `before` to `self`.
+    fn since_line(&self, before: &BrokerGc) -> String {
+        let young = self.young.saturating_sub(before.young);
+        let young_ms = (self.young_secs - before.young_secs) * 1000.0;
+        format!(
+            "the broker's collector during the run: {young} young pauses, {young_ms:.0} ms in all{}{}",
+            if young > 0 {
+                format!(" ({:.0} ms each on average)", young_ms / young as f64)
+            } else {
+                String::new()
+            },
+            match self.full.saturating_sub(before.full) {
+                0 => String::new(),
+                n => format!(
+                    "; {n} full, {:.0} ms",
+                    (self.full_secs - before.full_secs) * 1000.0
+                ),
+            }
         )
     }
 }
@@ -953,6 +1023,7 @@ verify = {{ url = "http://{addr}/v1/effects/{{key}}" }}
         .unwrap();
     // Let the relay join its group before the clock starts; the host is checked meanwhile.
     let joined = tokio::time::sleep(Duration::from_secs(3));
+    let gc_before = BrokerGc::read().await;
     let check_before = host_check().await;
     joined.await;
     let commits_before = pg_commits(&pg).await;
@@ -1043,6 +1114,7 @@ verify = {{ url = "http://{addr}/v1/effects/{{key}}" }}
     let (cpu_after, hwm) = tree_stats(&pids);
     let host_cpu = HostCpu::read();
     let check_after = host_check().await;
+    let gc_after = BrokerGc::read().await;
     let commits = pg_commits(&pg).await - commits_before;
     // End to end (send → outcome seen), and its first part: send → outcome produced by the
     // relay (the outcome's Kafka timestamp, millisecond resolution).
@@ -1098,6 +1170,9 @@ verify = {{ url = "http://{addr}/v1/effects/{{key}}" }}
         "{mode}: host check {check_before:.0} ms before the run, {check_after:.0} ms after (lower is faster); steal {:.1} % of the host's CPU time during the run",
         host_cpu.steal_since(&host_before)
     );
+    if let (Some(before), Some(after)) = (gc_before, gc_after) {
+        eprintln!("{mode}: {}", after.since_line(&before));
+    }
     // Paced only: flat out, each stage is mostly the backlog's queue.
     if mode == "idem" && opts.rate > 0 {
         stages(&pg, &pg_schema, &base, run_began).await;
