@@ -625,7 +625,13 @@ fn bench_client() -> ClientConfig {
 /// time is not in the tables.
 /// `since`: the run's start; the run's intents are found by their creation time (a BRIN range
 /// scan), not by scanning every intent (a prefilled schema holds millions).
-async fn stages(pg: &tokio_postgres::Client, schema: &str, tag: &str, since: SystemTime) {
+async fn stages(
+    pg: &tokio_postgres::Client,
+    schema: &str,
+    tag: &str,
+    since: SystemTime,
+    outcomes: &HashMap<String, (i64, f64)>,
+) {
     let query = format!(
         "with s as (
            select extract(epoch from i.created_at - i.event_time) * 1000 as to_record,
@@ -647,8 +653,47 @@ async fn stages(pg: &tokio_postgres::Client, schema: &str, tag: &str, since: Sys
         let v: Option<Vec<f64>> = row.get(i);
         v.map_or("-".into(), |v| format!("{:.1} / {:.1}", v[0], v[1]))
     };
+    // The rest, for each key's first action: the finish's beginning (its transaction's `now()`)
+    // → the outcome produced (its Kafka timestamp, whole milliseconds: the finish's commit and
+    // the publisher's round) → seen by the load generator's consumer.
+    let finished = pg
+        .query(
+            &format!(
+                "select action_event_id, extract(epoch from finished_at)::float8 * 1000
+                   from {schema}.intents
+                  where created_at >= $2 and run_id like $1 and finished_at is not null"
+            ),
+            &[&format!("{tag}-%"), &since],
+        )
+        .await;
+    let rest = match finished {
+        Ok(rows) => {
+            let (mut to_produced, mut to_seen): (Vec<f64>, Vec<f64>) = rows
+                .iter()
+                .filter_map(|r| {
+                    let (produced, seen) = outcomes.get(r.get::<_, &str>(0))?;
+                    let finished: f64 = r.get(1);
+                    Some((*produced as f64 - finished, seen - *produced as f64))
+                })
+                .unzip();
+            to_produced.sort_by(f64::total_cmp);
+            to_seen.sort_by(f64::total_cmp);
+            if to_produced.is_empty() {
+                String::new()
+            } else {
+                format!(
+                    "; → outcome produced {:.0} / {:.0}; → seen {:.0} / {:.0}",
+                    percentile(&to_produced, 0.5),
+                    percentile(&to_produced, 0.99),
+                    percentile(&to_seen, 0.5),
+                    percentile(&to_seen, 0.99)
+                )
+            }
+        }
+        Err(e) => format!("; the rest not read: {e}"),
+    };
     eprintln!(
-        "idem: stages p50 / p99 ms: send → record begins {}; → finish begins {} (the call {})",
+        "idem: stages p50 / p99 ms: send → record begins {}; → finish begins {} (the call {}){rest}",
         p(0),
         p(1),
         p(2)
@@ -1175,7 +1220,19 @@ verify = {{ url = "http://{addr}/v1/effects/{{key}}" }}
     }
     // Paced only: flat out, each stage is mostly the backlog's queue.
     if mode == "idem" && opts.rate > 0 {
-        stages(&pg, &pg_schema, &base, run_began).await;
+        // Each action's outcome: produced (its Kafka timestamp) and seen, in Unix milliseconds.
+        let outcomes: HashMap<String, (i64, f64)> = {
+            let a = answered.lock().unwrap();
+            published
+                .iter()
+                .map(|(id, (t, sent_ms))| {
+                    let (seen, produced_ms) = a[id];
+                    let seen_ms = *sent_ms as f64 + seen.duration_since(*t).as_secs_f64() * 1000.0;
+                    (id.clone(), (produced_ms, seen_ms))
+                })
+                .collect()
+        };
+        stages(&pg, &pg_schema, &base, run_began, &outcomes).await;
     }
     if let Some(before) = old_keys {
         let after = count_old_keys(&pg, &pg_schema).await;
