@@ -900,6 +900,19 @@ async fn run_mode(mode: &str, n: usize, opts: &Opts) -> Report {
     tokio::spawn(conn);
     let dir = tempfile::tempdir().unwrap();
     let mut old_keys = None;
+    // A tool of the workload's, its calls to `url`.
+    let tool = |name: &str, url: &str| {
+        format!(
+            r#"[[tools]]
+name = "{name}"
+class = "dangerous"
+key = ["run_id", "tool", "business_id"]
+material = ["args.to"]
+executor = {{ kind = "http", url = "{url}", timeout = "10s" }}
+verify = {{ url = "http://{addr}/v1/effects/{{key}}" }}
+"#
+        )
+    };
     let child = match mode {
         "idem" => {
             let config = format!(
@@ -924,22 +937,12 @@ prune_share = {prune_share}
 {relay_extra}
 [admin]
 listen = "127.0.0.1:0"
-[[tools]]
-name = "send"
-class = "dangerous"
-key = ["run_id", "tool", "business_id"]
-material = ["args.to"]
-executor = {{ kind = "http", url = "{url}", timeout = "10s" }}
-verify = {{ url = "http://{addr}/v1/effects/{{key}}" }}
-[[tools]]
-name = "slow"
-class = "dangerous"
-key = ["run_id", "tool", "business_id"]
-material = ["args.to"]
-executor = {{ kind = "http", url = "http://{addr}/v1/send?delay_ms={slow_ms}", timeout = "10s" }}
-verify = {{ url = "http://{addr}/v1/effects/{{key}}" }}
-"#,
-                slow_ms = opts.slow_ms,
+{send}{slow}"#,
+                send = tool("send", &url),
+                slow = tool(
+                    "slow",
+                    &format!("http://{addr}/v1/send?delay_ms={}", opts.slow_ms)
+                ),
                 brokers = brokers(),
                 partitions = opts.partitions,
                 pg = postgres_url(),
