@@ -151,6 +151,10 @@ fn main() {
     }
     let opts = parse();
     assert!(
+        (0.0..=1.0).contains(&opts.slow_share),
+        "--slow-share is a share of the keys, from 0 to 1"
+    );
+    assert!(
         opts.slow_share == 0.0 || opts.modes == ["idem"],
         "--slow-share is measured for idem only (--modes idem): the peers call one downstream"
     );
@@ -1191,6 +1195,9 @@ listen = "127.0.0.1:0"
             }
         }
         for (tool, v) in [("send", &mut fast), ("slow", &mut slow)] {
+            if v.is_empty() {
+                continue;
+            }
             v.sort_by(f64::total_cmp);
             eprintln!(
                 "{mode}: tool {tool} alone ({} actions): send → outcome seen p50 {:.1} ms, p99 {:.1} ms",

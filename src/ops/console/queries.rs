@@ -174,16 +174,18 @@ impl SpanMemory {
         }
     }
 
-    /// Span `counted` was counted at `now`, the view having started at span `first`. A fall
-    /// back is remembered from now; a view that started at the remembered span keeps its time,
-    /// so the hour is tried again once [`OVERVIEW_REMEMBER`] has passed since it was too slow.
+    /// Span `counted` was counted at `now`, the view having started at span `first`. The time
+    /// kept is when the hour was last too slow, so the hour is tried again once
+    /// [`OVERVIEW_REMEMBER`] has passed since, however the views after it went.
     fn counted(&self, first: usize, counted: usize, now: std::time::Instant) {
         let mut memory = self.0.lock().expect("not poisoned");
-        if counted == 0 {
-            *memory = None;
-        } else if counted > first || memory.is_none() {
-            *memory = Some((counted, now));
-        }
+        *memory = match *memory {
+            _ if counted == 0 => None,
+            // The view started at the span remembered, not at the hour.
+            Some((_, too_slow)) if first > 0 => Some((counted, too_slow)),
+            // The hour was too slow just now.
+            _ => Some((counted, now)),
+        };
     }
 }
 
@@ -561,11 +563,13 @@ mod tests {
         assert_eq!(memory.first(t0 + OVERVIEW_REMEMBER - minute), 1);
         let due = t0 + OVERVIEW_REMEMBER;
         assert_eq!(memory.first(due), 0, "the hour is tried again");
-        // Too slow again: remembered from this try. Then five minutes too slow as well.
+        // Too slow again: remembered from this try. Then five minutes too slow as well: the
+        // last minute, until the hour is due again.
         memory.counted(0, 1, due);
         assert_eq!(memory.first(due + OVERVIEW_REMEMBER - minute), 1);
         memory.counted(1, 2, due + minute);
-        assert_eq!(memory.first(due + OVERVIEW_REMEMBER), 2);
+        assert_eq!(memory.first(due + OVERVIEW_REMEMBER - minute), 2);
+        assert_eq!(memory.first(due + OVERVIEW_REMEMBER), 0);
         // The hour fit: forgotten.
         memory.counted(0, 0, due + 2 * OVERVIEW_REMEMBER);
         assert_eq!(memory.first(due + 2 * OVERVIEW_REMEMBER), 0);
