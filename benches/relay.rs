@@ -480,8 +480,9 @@ fn is_broker(pid: u32) -> bool {
     cmdline.windows(11).any(|w| w == b"kafka.Kafka")
 }
 
-/// The broker's garbage collections so far, as the JDK's `jstat -gc` reads them (a broker on
-/// another host, or no `jstat`: `None`). Its pauses stop every Kafka request meanwhile, a part
+/// The broker's garbage collections so far, as the JDK's `jstat -gc` reads them (`None` for a
+/// broker `jstat` cannot read: on another host, in a container, without `jstat`, or a
+/// collector without young collections, as ZGC in Java 17). Its pauses stop every Kafka request meanwhile, a part
 /// of the paced runs' p99 that grows with the broker's uptime (G1 shrinks its young
 /// generation to meet its pause goal, and collects more often: `benches/HISTORY.md`, stop 41).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -490,6 +491,9 @@ struct BrokerGc {
     young_secs: f64,
     full: u64,
     full_secs: f64,
+    /// G1's pauses in its concurrent cycles (remark and cleanup).
+    concurrent: u64,
+    concurrent_secs: f64,
 }
 
 impl BrokerGc {
@@ -522,6 +526,8 @@ impl BrokerGc {
             young_secs: number("YGCT")?,
             full: number("FGC")? as u64,
             full_secs: number("FGCT")?,
+            concurrent: number("CGC").unwrap_or(0.0) as u64,
+            concurrent_secs: number("CGCT").unwrap_or(0.0),
         })
     }
 
@@ -536,13 +542,23 @@ impl BrokerGc {
             } else {
                 String::new()
             },
-            match self.full.saturating_sub(before.full) {
-                0 => String::new(),
-                n => format!(
-                    "; {n} full, {:.0} ms",
-                    (self.full_secs - before.full_secs) * 1000.0
+            [
+                ("full", self.full, before.full, self.full_secs - before.full_secs),
+                (
+                    "pauses in concurrent cycles",
+                    self.concurrent,
+                    before.concurrent,
+                    self.concurrent_secs - before.concurrent_secs
                 ),
-            }
+            ]
+            .iter()
+            .filter(|(_, after, before, _)| after > before)
+            .map(|(kind, after, before, secs)| format!(
+                "; {} {kind}, {:.0} ms",
+                after - before,
+                secs * 1000.0
+            ))
+            .collect::<String>()
         )
     }
 }
@@ -624,9 +640,10 @@ fn bench_client() -> ClientConfig {
 /// Where an action's time goes inside idem, from its own tables (p50 / p99 over this run's
 /// first deliveries): send → the recording transaction begins (Kafka in, the consumer's poll);
 /// → the finish begins (the record's commit, the dispatch, the call, the wait for the finish's
-/// group), with the call itself. The rest (the finish → the outcome produced) is the run's
-/// "send → outcome produced" less these: a published outcome's row is not written again, so its
-/// time is not in the tables.
+/// group), with the call itself (Postgres' `percentile_cont`, over the actions whose first
+/// attempt is recorded); then, for each key's first action, the finish's beginning → the outcome
+/// produced (its Kafka timestamp) → seen by the load generator's consumer (`outcomes`, Unix
+/// milliseconds; nearest-rank percentiles over the keys whose outcome was seen).
 /// `since`: the run's start; the run's intents are found by their creation time (a BRIN range
 /// scan), not by scanning every intent (a prefilled schema holds millions).
 async fn stages(
@@ -1075,9 +1092,9 @@ listen = "127.0.0.1:0"
         .unwrap();
     // Let the relay join its group before the clock starts; the host is checked meanwhile.
     let joined = tokio::time::sleep(Duration::from_secs(3));
-    let gc_before = BrokerGc::read().await;
     let check_before = host_check().await;
     joined.await;
+    let gc_before = BrokerGc::read().await;
     let commits_before = pg_commits(&pg).await;
     let (cpu_before, _) = tree_stats(&pids);
     let host_before = HostCpu::read();

@@ -52,6 +52,45 @@ impl Cohort {
     fn announced(&self) -> usize {
         self.0.load(Ordering::Acquire)
     }
+
+    /// The same cohort (not merely one of the same kind).
+    pub fn same(&self, other: &Cohort) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+/// The cohorts of several kinds of request (tools), each kind's new requests joining its
+/// current cohort until `window` has passed since that cohort's first: the calls one batch
+/// starts together are one cohort, and a slow tool's calls started earlier are others, so a
+/// group holding one slow result waits for the slow calls of its batch alone.
+pub struct Cohorts {
+    window: Duration,
+    current: std::collections::HashMap<String, std::sync::Mutex<(Cohort, std::time::Instant)>>,
+}
+
+impl Cohorts {
+    pub fn new<'a>(kinds: impl IntoIterator<Item = &'a str>, window: Duration) -> Self {
+        let long_ago = std::time::Instant::now()
+            .checked_sub(window * 2)
+            .unwrap_or_else(std::time::Instant::now);
+        let current = kinds
+            .into_iter()
+            .map(|k| {
+                let slot = (Cohort::default(), long_ago);
+                (k.to_string(), std::sync::Mutex::new(slot))
+            })
+            .collect();
+        Cohorts { window, current }
+    }
+
+    /// The cohort of a request of `kind` starting at `now` (`None`: a kind not known).
+    pub fn of(&self, kind: &str, now: std::time::Instant) -> Option<Cohort> {
+        let mut current = self.current.get(kind)?.lock().expect("not poisoned");
+        if now.saturating_duration_since(current.1) > self.window {
+            *current = (Cohort::default(), now);
+        }
+        Some(current.0.clone())
+    }
 }
 
 /// A request on its way: while any of its cohort is, a group holding one of that cohort waits
@@ -60,12 +99,6 @@ impl Cohort {
 pub struct Expected {
     cohort: Cohort,
     changed: Arc<Notify>,
-}
-
-impl Expected {
-    pub fn cohort(&self) -> &Cohort {
-        &self.cohort
-    }
 }
 
 impl Drop for Expected {
@@ -164,10 +197,7 @@ async fn gather<T, R>(
     let mut cohorts: Vec<Cohort> = Vec::new();
     let received = |mut item: Item<T, R>, cohorts: &mut Vec<Cohort>| {
         if let Some(expected) = item.expected.take() {
-            if !cohorts
-                .iter()
-                .any(|c| Arc::ptr_eq(&c.0, &expected.cohort.0))
-            {
+            if !cohorts.iter().any(|c| c.same(&expected.cohort)) {
                 cohorts.push(expected.cohort.clone());
             }
         }
@@ -330,5 +360,54 @@ mod tests {
         .expect("not held by the other cohort's call");
         assert_eq!((answers.0.unwrap(), answers.1), (Some(1), Some(2)));
         assert_eq!(*sizes.lock().unwrap(), vec![2]);
+    }
+
+    #[tokio::test]
+    async fn a_group_holding_two_cohorts_waits_for_both() {
+        let (b, sizes) = sizes_of(Duration::from_secs(600));
+        let (one, other) = (Cohort::default(), Cohort::default());
+        let (a1, a2, b1, b2) = (
+            b.expect(&one),
+            b.expect(&one),
+            b.expect(&other),
+            b.expect(&other),
+        );
+        let first = {
+            let b = b.clone();
+            tokio::spawn(async move {
+                futures::future::join(b.call_expected(1, Some(a1)), b.call_expected(2, Some(b1)))
+                    .await
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        drop(a2);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(
+            !first.is_finished(),
+            "the group still waits for the other cohort's call"
+        );
+        let (answers, last) = tokio::time::timeout(
+            DEADLINE,
+            futures::future::join(first, b.call_expected(3, Some(b2))),
+        )
+        .await
+        .expect("released once both cohorts are in");
+        assert_eq!((answers.unwrap(), last), ((Some(1), Some(2)), Some(3)));
+        assert_eq!(*sizes.lock().unwrap(), vec![3]);
+    }
+
+    #[test]
+    fn a_kinds_cohort_holds_the_requests_started_within_its_window() {
+        let window = Duration::from_millis(1);
+        let cohorts = Cohorts::new(["fast", "slow"], window);
+        let t0 = std::time::Instant::now();
+        let first = cohorts.of("slow", t0).expect("a known kind");
+        let same_batch = cohorts.of("slow", t0 + window / 2).unwrap();
+        assert!(first.same(&same_batch), "started together: one cohort");
+        let fast = cohorts.of("fast", t0).unwrap();
+        assert!(!first.same(&fast), "each kind its own");
+        let later = cohorts.of("slow", t0 + window * 3).unwrap();
+        assert!(!first.same(&later), "a later batch's calls: another cohort");
+        assert!(cohorts.of("unknown", t0).is_none());
     }
 }

@@ -116,9 +116,15 @@ impl Executor {
     /// Waits out `sleep` with the call's result no longer announced: a finish group forming
     /// meanwhile does not wait for a result that far off.
     async fn pause(&self, run: &mut Run<'_>, sleep: impl std::future::Future<Output = ()>) {
-        let cohort = run.announced.take().map(|e| e.cohort().clone());
+        let announced = run.announced.take().is_some();
         sleep.await;
-        *run.announced = cohort.map(|c| self.finishes.expect(&c));
+        if announced {
+            // With the calls starting now: its result comes with theirs.
+            *run.announced = self
+                .finish_cohorts
+                .of(&run.tool.name, std::time::Instant::now())
+                .map(|c| self.finishes.expect(&c));
+        }
     }
 
     /// Asks the downstream whether the effect happened.

@@ -19,7 +19,7 @@ use crate::action::ActionData;
 use crate::config::{Config, ExecutorKind, Tool};
 use crate::db::{self, DbError};
 use crate::failpoint::crash_point;
-use crate::group_commit::{Cohort, Expected, GroupCommit, GroupError};
+use crate::group_commit::{Cohorts, Expected, GroupCommit, GroupError};
 use crate::metrics::Metrics;
 use crate::outcome::answer::KeyState;
 use crate::outcome::finish::FinishStatements;
@@ -50,10 +50,11 @@ const GROUP_WORKERS: usize = 2;
 /// action against 1.39 with two in flight, Postgres CPU down a tenth, flat out 7,200 actions/s
 /// against 6,500-6,800 (`benches/HISTORY.md`).
 const FINISH_WORKERS: usize = 1;
-/// How long a finish group that has begun to form waits for the calls of its results' tools
-/// still under way downstream, so the calls of one batch, which end within a fraction of a
-/// millisecond of each other, commit in one group rather than the first to end alone and the
-/// rest after it. Another tool's calls (a slow one's, always under way) do not hold it.
+/// How long a finish group that has begun to form waits for the calls still under way
+/// downstream that started with its results' calls (the same tool's, within this long), so the
+/// calls of one batch, which end within a fraction of a millisecond of each other, commit in
+/// one group rather than the first to end alone and the rest after it. Other calls (another
+/// tool's, or a slow tool's started by earlier batches, always under way) do not hold it.
 const FINISH_LINGER: Duration = Duration::from_millis(1);
 
 /// One request to a group commit, its failure as the executor's error.
@@ -195,9 +196,10 @@ pub(crate) struct Executor {
     pub(crate) tools: HashMap<String, Arc<Tool>>,
     /// Each tool's `concurrency`: a slow downstream holds only its own places.
     tool_permits: HashMap<String, Arc<Semaphore>>,
-    /// Each tool's calls under way, as the finish groups wait for them: a group waits only for
-    /// the tools of the results it holds, so a slow tool's calls do not hold a fast one's.
-    finish_cohorts: HashMap<String, Cohort>,
+    /// Each tool's calls under way, in cohorts of those started together (within the finish
+    /// linger): a finish group waits only for the cohorts of the results it holds, so neither
+    /// a slow tool's calls nor those of an earlier batch hold it.
+    pub(super) finish_cohorts: Cohorts,
     /// The relay's `concurrency`: calls in flight at once, over all tools.
     permits: Arc<Semaphore>,
     /// Bounds intents waiting for a permit; the consumer waits on it, never on a call.
@@ -247,11 +249,8 @@ impl Executor {
             .iter()
             .map(|t| (t.name.clone(), Arc::new(Semaphore::new(t.concurrency))))
             .collect();
-        let finish_cohorts = config
-            .tools
-            .iter()
-            .map(|t| (t.name.clone(), Cohort::default()))
-            .collect();
+        let finish_cohorts =
+            Cohorts::new(config.tools.iter().map(|t| t.name.as_str()), FINISH_LINGER);
         let http = http::Clients::new(&config);
         let owner = config.relay.instance_id.clone();
         let lease = config.relay.lease.as_secs_f64();
@@ -459,8 +458,8 @@ impl Executor {
             ExecutorKind::Http(_) => {
                 let mut announced = self
                     .finish_cohorts
-                    .get(&claimed.tool)
-                    .map(|c| self.finishes.expect(c));
+                    .of(&claimed.tool, std::time::Instant::now())
+                    .map(|c| self.finishes.expect(&c));
                 let called = self
                     .call_http(&tool, &claimed, waited, &mut announced)
                     .await;

@@ -181,8 +181,11 @@ impl SpanMemory {
         let mut memory = self.0.lock().expect("not poisoned");
         *memory = match *memory {
             _ if counted == 0 => None,
-            // The view started at the span remembered, not at the hour.
-            Some((_, too_slow)) if first > 0 => Some((counted, too_slow)),
+            // The view started at a span remembered, not at the hour; a view beside it may
+            // have moved the memory on meanwhile (to a shorter span, or, counting the hour,
+            // cleared it), which stands.
+            Some((i, too_slow)) if first > 0 => Some((i.max(counted), too_slow)),
+            None if first > 0 => None,
             // The hour was too slow just now.
             _ => Some((counted, now)),
         };
@@ -570,6 +573,14 @@ mod tests {
         memory.counted(1, 2, due + minute);
         assert_eq!(memory.first(due + OVERVIEW_REMEMBER - minute), 2);
         assert_eq!(memory.first(due + OVERVIEW_REMEMBER), 0);
+        // A view that began before the memory was cleared, or moved on, by another does not
+        // bring an older span back.
+        memory.counted(0, 0, due);
+        memory.counted(1, 1, due + minute);
+        assert_eq!(memory.first(due + minute), 0);
+        memory.counted(0, 2, due);
+        memory.counted(1, 1, due + minute);
+        assert_eq!(memory.first(due + minute), 2);
         // The hour fit: forgotten.
         memory.counted(0, 0, due + 2 * OVERVIEW_REMEMBER);
         assert_eq!(memory.first(due + 2 * OVERVIEW_REMEMBER), 0);
