@@ -59,12 +59,14 @@ impl Cohort {
     }
 }
 
-/// The cohorts of several kinds of request (tools), each kind's new requests joining its
-/// current cohort until `window` has passed since that cohort's first: the calls one batch
-/// starts together are one cohort, and a slow tool's calls started earlier are others, so a
-/// group holding one slow result waits for the slow calls of its batch alone.
+/// The cohorts of several kinds of request (tools): a kind's new request joins its current
+/// cohort when it starts within `window` of the one before it, and begins a new cohort
+/// otherwise. The calls one batch starts (one after another, within microseconds, or a little
+/// more on a busy host) are one cohort, and a slow tool's calls started by earlier batches are
+/// others, so a group holding one slow result waits for the slow calls of its batch alone.
 pub struct Cohorts {
     window: Duration,
+    /// Each kind's current cohort, and when its last request started.
     current: std::collections::HashMap<String, std::sync::Mutex<(Cohort, std::time::Instant)>>,
 }
 
@@ -87,8 +89,9 @@ impl Cohorts {
     pub fn of(&self, kind: &str, now: std::time::Instant) -> Option<Cohort> {
         let mut current = self.current.get(kind)?.lock().expect("not poisoned");
         if now.saturating_duration_since(current.1) > self.window {
-            *current = (Cohort::default(), now);
+            current.0 = Cohort::default();
         }
+        current.1 = now;
         Some(current.0.clone())
     }
 }
@@ -397,16 +400,21 @@ mod tests {
     }
 
     #[test]
-    fn a_kinds_cohort_holds_the_requests_started_within_its_window() {
+    fn a_kinds_cohort_holds_the_requests_started_one_after_another() {
         let window = Duration::from_millis(1);
         let cohorts = Cohorts::new(["fast", "slow"], window);
         let t0 = std::time::Instant::now();
         let first = cohorts.of("slow", t0).expect("a known kind");
-        let same_batch = cohorts.of("slow", t0 + window / 2).unwrap();
-        assert!(first.same(&same_batch), "started together: one cohort");
+        // A batch's calls, each within the window of the one before: one cohort, however long
+        // the batch took to start them all.
+        let mut at = t0;
+        for _ in 0..4 {
+            at += window * 3 / 4;
+            assert!(first.same(&cohorts.of("slow", at).unwrap()));
+        }
         let fast = cohorts.of("fast", t0).unwrap();
         assert!(!first.same(&fast), "each kind its own");
-        let later = cohorts.of("slow", t0 + window * 3).unwrap();
+        let later = cohorts.of("slow", at + window * 2).unwrap();
         assert!(!first.same(&later), "a later batch's calls: another cohort");
         assert!(cohorts.of("unknown", t0).is_none());
     }

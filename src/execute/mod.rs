@@ -51,7 +51,7 @@ const GROUP_WORKERS: usize = 2;
 /// against 6,500-6,800 (`benches/HISTORY.md`).
 const FINISH_WORKERS: usize = 1;
 /// How long a finish group that has begun to form waits for the calls still under way
-/// downstream that started with its results' calls (the same tool's, within this long), so the
+/// downstream that started with its results' calls (the same tool's, one after another), so the
 /// calls of one batch, which end within a fraction of a millisecond of each other, commit in
 /// one group rather than the first to end alone and the rest after it. Other calls (another
 /// tool's, or a slow tool's started by earlier batches, always under way) do not hold it.
@@ -196,9 +196,10 @@ pub(crate) struct Executor {
     pub(crate) tools: HashMap<String, Arc<Tool>>,
     /// Each tool's `concurrency`: a slow downstream holds only its own places.
     tool_permits: HashMap<String, Arc<Semaphore>>,
-    /// Each tool's calls under way, in cohorts of those started together (within the finish
-    /// linger): a finish group waits only for the cohorts of the results it holds, so neither
-    /// a slow tool's calls nor those of an earlier batch hold it.
+    /// Each tool's calls under way, in cohorts of those started together (each within the
+    /// finish linger of the one before): a finish group waits only for the cohorts of the
+    /// results it holds, so neither another tool's calls nor a slow tool's started by earlier
+    /// batches hold it.
     pub(super) finish_cohorts: Cohorts,
     /// The relay's `concurrency`: calls in flight at once, over all tools.
     permits: Arc<Semaphore>,
