@@ -49,6 +49,8 @@
 //! - **outbox**: outcome events written with the change they announce, published from there.
 //! - **group commit**: many claims or finishes in one transaction (not to be confused with a
 //!   batch).
+//! - **cohort**: one tool's calls started together (by one batch); a finish group waits for the
+//!   cohorts of the results it holds, and for no other call.
 
 pub mod action;
 #[cfg(test)]
