@@ -258,6 +258,21 @@ fn workload(n: usize, dup: f64, payload: usize, slow: f64, tag: &str) -> Workloa
     }
 }
 
+/// An answered action's times: its send → its outcome seen by the load generator's consumer,
+/// its outcome's Kafka timestamp and its send, in Unix milliseconds.
+struct Timed {
+    latency_ms: f64,
+    produced_ms: i64,
+    sent_ms: i64,
+}
+
+impl Timed {
+    /// When its outcome was seen, in Unix milliseconds.
+    fn seen_ms(&self) -> f64 {
+        self.sent_ms as f64 + self.latency_ms
+    }
+}
+
 /// The `p` quantile of `v`, sorted.
 fn percentile(v: &[f64], p: f64) -> f64 {
     v[((v.len() as f64 - 1.0) * p).round() as usize]
@@ -642,8 +657,8 @@ fn bench_client() -> ClientConfig {
 /// → the finish begins (the record's commit, the dispatch, the call, the wait for the finish's
 /// group), with the call itself (Postgres' `percentile_cont`, over the actions whose first
 /// attempt is recorded); then, for each key's first action, the finish's beginning → the outcome
-/// produced (its Kafka timestamp) → seen by the load generator's consumer (`outcomes`, Unix
-/// milliseconds; nearest-rank percentiles over the keys whose outcome was seen).
+/// produced (its Kafka timestamp) → seen by the load generator's consumer (from `timed`;
+/// nearest-rank percentiles over the keys whose outcome was seen).
 /// `since`: the run's start; the run's intents are found by their creation time (a BRIN range
 /// scan), not by scanning every intent (a prefilled schema holds millions).
 async fn stages(
@@ -651,7 +666,7 @@ async fn stages(
     schema: &str,
     tag: &str,
     since: SystemTime,
-    outcomes: &HashMap<String, (i64, f64)>,
+    timed: &HashMap<&str, Timed>,
 ) {
     let query = format!(
         "with s as (
@@ -692,9 +707,10 @@ async fn stages(
             let (mut to_produced, mut to_seen): (Vec<f64>, Vec<f64>) = rows
                 .iter()
                 .filter_map(|r| {
-                    let (produced, seen) = outcomes.get(r.get::<_, &str>(0))?;
+                    let t = timed.get(r.get::<_, &str>(0))?;
                     let finished: f64 = r.get(1);
-                    Some((*produced as f64 - finished, seen - *produced as f64))
+                    let produced = t.produced_ms as f64;
+                    Some((produced - finished, t.seen_ms() - produced))
                 })
                 .unzip();
             to_produced.sort_by(f64::total_cmp);
@@ -1187,28 +1203,33 @@ listen = "127.0.0.1:0"
     let commits = pg_commits(&pg).await - commits_before;
     // End to end (send → outcome seen), and its first part: send → outcome produced by the
     // relay (the outcome's Kafka timestamp, millisecond resolution).
-    let (mut latencies, mut to_produced): (Vec<f64>, Vec<f64>) = {
+    let timed: HashMap<&str, Timed> = {
         let a = answered.lock().unwrap();
         published
             .iter()
             .map(|(id, (t, sent_ms))| {
                 let (seen, produced_ms) = a[id];
-                (
-                    seen.duration_since(*t).as_secs_f64() * 1000.0,
-                    (produced_ms - sent_ms) as f64,
-                )
+                let latency_ms = seen.duration_since(*t).as_secs_f64() * 1000.0;
+                let timed = Timed {
+                    latency_ms,
+                    produced_ms,
+                    sent_ms: *sent_ms,
+                };
+                (id.as_str(), timed)
             })
-            .unzip()
+            .collect()
     };
+    let (mut latencies, mut to_produced): (Vec<f64>, Vec<f64>) = timed
+        .values()
+        .map(|t| (t.latency_ms, (t.produced_ms - t.sent_ms) as f64))
+        .unzip();
     if !slow_ids.is_empty() {
-        let a = answered.lock().unwrap();
         let (mut slow, mut fast): (Vec<f64>, Vec<f64>) = (Vec::new(), Vec::new());
-        for (id, (t, _)) in &published {
-            let ms = a[id].0.duration_since(*t).as_secs_f64() * 1000.0;
-            if slow_ids.contains(id) {
-                slow.push(ms);
+        for (id, t) in &timed {
+            if slow_ids.contains(*id) {
+                slow.push(t.latency_ms);
             } else {
-                fast.push(ms);
+                fast.push(t.latency_ms);
             }
         }
         for (tool, v) in [("send", &mut fast), ("slow", &mut slow)] {
@@ -1247,19 +1268,7 @@ listen = "127.0.0.1:0"
     }
     // Paced only: flat out, each stage is mostly the backlog's queue.
     if mode == "idem" && opts.rate > 0 {
-        // Each action's outcome: produced (its Kafka timestamp) and seen, in Unix milliseconds.
-        let outcomes: HashMap<String, (i64, f64)> = {
-            let a = answered.lock().unwrap();
-            published
-                .iter()
-                .map(|(id, (t, sent_ms))| {
-                    let (seen, produced_ms) = a[id];
-                    let seen_ms = *sent_ms as f64 + seen.duration_since(*t).as_secs_f64() * 1000.0;
-                    (id.clone(), (produced_ms, seen_ms))
-                })
-                .collect()
-        };
-        stages(&pg, &pg_schema, &base, run_began, &outcomes).await;
+        stages(&pg, &pg_schema, &base, run_began, &timed).await;
     }
     if let Some(before) = old_keys {
         let after = count_old_keys(&pg, &pg_schema).await;

@@ -66,21 +66,16 @@ impl Cohort {
 /// others, so a group holding one slow result waits for the slow calls of its batch alone.
 pub struct Cohorts {
     window: Duration,
-    /// Each kind's current cohort, and when its last request started.
-    current: std::collections::HashMap<String, std::sync::Mutex<(Cohort, std::time::Instant)>>,
+    /// Each kind's current cohort, and when its last request started (none yet: `None`).
+    current:
+        std::collections::HashMap<String, std::sync::Mutex<(Cohort, Option<std::time::Instant>)>>,
 }
 
 impl Cohorts {
     pub fn new<'a>(kinds: impl IntoIterator<Item = &'a str>, window: Duration) -> Self {
-        let long_ago = std::time::Instant::now()
-            .checked_sub(window * 2)
-            .unwrap_or_else(std::time::Instant::now);
         let current = kinds
             .into_iter()
-            .map(|k| {
-                let slot = (Cohort::default(), long_ago);
-                (k.to_string(), std::sync::Mutex::new(slot))
-            })
+            .map(|k| (k.to_string(), std::sync::Mutex::default()))
             .collect();
         Cohorts { window, current }
     }
@@ -88,11 +83,12 @@ impl Cohorts {
     /// The cohort of a request of `kind` starting at `now` (`None`: a kind not known).
     pub fn of(&self, kind: &str, now: std::time::Instant) -> Option<Cohort> {
         let mut current = self.current.get(kind)?.lock().expect("not poisoned");
-        if now.saturating_duration_since(current.1) > self.window {
-            current.0 = Cohort::default();
+        let (cohort, last) = &mut *current;
+        if last.is_some_and(|last| now.saturating_duration_since(last) > self.window) {
+            *cohort = Cohort::default();
         }
-        current.1 = now;
-        Some(current.0.clone())
+        *last = Some(now);
+        Some(cohort.clone())
     }
 }
 

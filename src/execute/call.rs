@@ -120,10 +120,7 @@ impl Executor {
         sleep.await;
         if announced {
             // With the calls starting now: its result comes with theirs.
-            *run.announced = self
-                .finish_cohorts
-                .of(&run.tool.name, std::time::Instant::now())
-                .map(|c| self.finishes.expect(&c));
+            *run.announced = self.announce(&run.tool.name);
         }
     }
 

@@ -200,7 +200,7 @@ pub(crate) struct Executor {
     /// finish linger of the one before): a finish group waits only for the cohorts of the
     /// results it holds, so neither another tool's calls nor a slow tool's started by earlier
     /// batches hold it.
-    pub(super) finish_cohorts: Cohorts,
+    finish_cohorts: Cohorts,
     /// The relay's `concurrency`: calls in flight at once, over all tools.
     permits: Arc<Semaphore>,
     /// Bounds intents waiting for a permit; the consumer waits on it, never on a call.
@@ -457,10 +457,7 @@ impl Executor {
         self.metrics.inflight.inc();
         match &tool.executor {
             ExecutorKind::Http(_) => {
-                let mut announced = self
-                    .finish_cohorts
-                    .of(&claimed.tool, std::time::Instant::now())
-                    .map(|c| self.finishes.expect(&c));
+                let mut announced = self.announce(&claimed.tool);
                 let called = self
                     .call_http(&tool, &claimed, waited, &mut announced)
                     .await;
@@ -486,6 +483,14 @@ impl Executor {
                 result
             }
         }
+    }
+
+    /// Announces to the finish groups the result of a call of `tool` starting now, in the
+    /// cohort of the calls starting with it.
+    pub(super) fn announce(&self, tool: &str) -> Option<Expected> {
+        self.finish_cohorts
+            .of(tool, std::time::Instant::now())
+            .map(|c| self.finishes.expect(&c))
     }
 
     /// The intents queued or running here, now.
