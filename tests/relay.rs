@@ -976,6 +976,75 @@ async fn queued_ids_without_an_outbox_row_leave_the_queue_and_hold_nothing_up() 
     relay.stop().await;
 }
 
+/// A key's outcomes go out in the order they were written. A publishing round skips the queued
+/// rows another round holds (another relay's, or this relay's other publisher's, from taking a
+/// row until its commit; a send that failed puts its row back there); it must then hold back
+/// the later rows of the same keys too, or a repeat's answer, written behind the outcome it
+/// repeats, goes out before it. Here a transaction holds k1's first outcome as such a round
+/// would: the relay's round publishes k2's and leaves k1's second queued, and once the first is
+/// let go both go out, first then second.
+#[tokio::test]
+async fn a_keys_later_outcome_waits_while_another_round_holds_its_earlier_one() {
+    let env = Env::new().await;
+    let outcomes = env.outcomes().await;
+    let config = env.config(EMAIL, "").await;
+    let pg = env.pg().await;
+    insert_outcome(&pg, "first", "k1").await;
+    insert_outcome(&pg, "other", "k2").await;
+    insert_outcome(&pg, "second", "k1").await;
+    let holder = env.pg().await;
+    holder
+        .batch_execute(
+            "begin;
+             select p.id from outbox_pending p join outbox o on o.id = p.id
+              where o.event_id = 'o-first'
+                for update of p",
+        )
+        .await
+        .unwrap();
+    let relay = env.start(config).await;
+    outcomes.answer("other", "succeeded").await;
+    // The round that published k2's outcome read k1's second as well (the queue's head): it
+    // leaves the queue with k2's in that round's commit if it was sent.
+    common::eventually(
+        "k2's outcome out of the queue",
+        Duration::from_secs(30),
+        || async { !is_queued(&pg, "o-other").await },
+    )
+    .await;
+    assert!(
+        is_queued(&pg, "o-second").await && outcomes.answers("second").is_empty(),
+        "k1's second outcome went out while its first was held: {:?}",
+        outcomes.answers("second")
+    );
+    holder.batch_execute("rollback").await.unwrap();
+    outcomes.answer("second", "succeeded").await;
+    let k1: Vec<String> = outcomes
+        .all()
+        .iter()
+        .filter(|c| c.key.as_deref() == Some("k1"))
+        .map(|c| c.json()["data"]["action_event_id"].to_string())
+        .collect();
+    assert_eq!(
+        k1,
+        [r#""first""#, r#""second""#],
+        "k1's outcomes in topic order"
+    );
+    relay.stop().await;
+}
+
+/// Whether the outbox row of `event_id` waits in the queue.
+async fn is_queued(pg: &tokio_postgres::Client, event_id: &str) -> bool {
+    pg.query_one(
+        "select exists (select 1 from outbox_pending p join outbox o on o.id = p.id
+                         where o.event_id = $1)",
+        &[&event_id],
+    )
+    .await
+    .unwrap()
+    .get(0)
+}
+
 /// The outbox lag gauges count what waits in the queue and age it by the oldest row still to
 /// publish: two rows another transaction holds (so the publisher skips them) show as 2 pending,
 /// the older a minute old; once let go they go out and the gauges fall to 0.

@@ -135,14 +135,31 @@ pub struct OutboxRow {
 // walks the published rows in id order before reaching a queued one. The queue's rows are
 // locked too (two relays' rounds take disjoint ids) and the outbox rows still are (relays of
 // the previous version lock those alone).
+//
+// A key's outcomes go out in the order they were written (ids: a key's rows are written under
+// its intent's lock, so its ids follow the commits). The rows another round holds are skipped
+// (`held`: queued before this round's last, not this round's), and with them this round's later
+// rows of the same keys, which stay queued, locked until the commit, for a later round: sent
+// now, they could overtake the held row (that round's send failed and puts it back; or it
+// sends after this one). The held rows' keys are read once, by id; usually nothing is held and
+// that is a read of the queue's ids this round locked already.
 const SELECT_UNPUBLISHED: &str = "
+    with mine as materialized (
+             select id from outbox_pending order by id limit $1 for update skip locked),
+         held as materialized (
+             select o.kafka_key, min(o.id) as first
+               from outbox o
+              where o.id = any(array(
+                    select id from outbox_pending where id < (select max(id) from mine)
+                    except select id from mine))
+              group by o.kafka_key)
     select o.id, o.event_id, o.kafka_key, o.payload::text as payload, o.traceparent,
            o.published_at is null and o.quarantined_at is null as live
       from outbox o
-     where o.id = any(array(select id from outbox_pending order by id limit $1
-                              for update skip locked))
+     where o.id = any(array(select id from mine))
+       and not exists (select 1 from held h where h.kafka_key = o.kafka_key and h.first < o.id)
      order by o.id
-       for update skip locked";
+       for update of o skip locked";
 
 // Published: out of the queue. The outbox row itself is not written (migration 11): an update
 // of a wide row that is not HOT, it rewrote the outcome and every index entry.
@@ -343,6 +360,51 @@ mod tests {
             compact(r#"{"a": "x, \"y\": z", "b": [1, 2]}"#),
             r#"{"a":"x, \"y\": z","b":[1,2]}"#
         );
+    }
+
+    // Two rounds in a backlog (two relays, or a relay's two publishers): the second finds the
+    // queue's head held by the first. It takes the next rows, leaves queued those whose keys
+    // have a held row before them, and reads the held rows' keys once, by id, not once for each
+    // of its own rows.
+    #[tokio::test]
+    async fn a_round_behind_a_held_head_holds_back_those_keys_and_reads_the_head_once() {
+        use crate::db::plans::{rows_read, Fresh};
+        let db = Fresh::new().await;
+        let prepare = format!("prepare s(int8) as {SELECT_UNPUBLISHED}");
+        db.pg.batch_execute(&prepare).await.expect("prepare");
+        db.rows("begin; execute s(1000); rollback").await;
+        // 3,000 queued rows; row g has key k(g mod 1500), so the first 1,500 and the next
+        // share keys. The holder takes the first 1,000, keys k1..k1000.
+        db.pg
+            .batch_execute(
+                "insert into outbox (event_id, kafka_key, payload)
+                 select 'o' || g, 'k' || (g % 1500), '{}' from generate_series(1, 3000) g",
+            )
+            .await
+            .expect("fill");
+        let holder = crate::db::data_path_pool(&db.cfg)
+            .expect("pool")
+            .get()
+            .await
+            .expect("connection");
+        holder
+            .batch_execute("begin; select id from outbox_pending order by id limit 1000 for update")
+            .await
+            .expect("hold");
+
+        let read = db.rows("begin; execute s(1000); rollback").await;
+        let key = |r: &Vec<(String, String)>| -> i64 { r[2].1[1..].parse().expect("k<n>") };
+        // Rows 1,001–2,000: those of keys k1..k500 (rows 1,501–2,000 but 1,500's k0) wait.
+        assert_eq!(read.len(), 500, "rows 1,001–1,499 and 1,500");
+        assert!(read.iter().all(|r| !(1..=1000).contains(&key(r))));
+        let plan = db.explain("execute s(1000)").await;
+        let n = rows_read(&plan, "outbox");
+        assert!(
+            n <= 2_100.0,
+            "a round behind 1,000 held rows read {n} outbox rows for its 1,000: {plan:#}"
+        );
+        holder.batch_execute("rollback").await.expect("let go");
+        db.drop().await;
     }
 
     // The publisher drops orphans (queued ids without an outbox row) every two seconds. A plan
