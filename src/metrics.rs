@@ -57,6 +57,7 @@ pub struct Metrics {
     outcomes_published: IntCounterVec,
     postgres_retries: IntCounterVec,
     outbox_quarantined: prometheus::IntCounter,
+    outbox_held_back: prometheus::IntCounter,
     dead_letters_failed: prometheus::IntCounter,
     producers_rebuilt: prometheus::IntCounter,
     /// 1 while the relay's last write to Postgres went through; 0 while writes fail (down,
@@ -202,6 +203,7 @@ impl Metrics {
             ))
             .expect("unique metric");
         let outbox_quarantined = r.int_counter("idem_outbox_quarantined_total", "Outcome events the producer refused for good (too large, invalid), set aside in the outbox.");
+        let outbox_held_back = r.int_counter("idem_outbox_held_back_total", "Times a publishing round left an outcome event queued for a later round, because an earlier outcome of its key was still queued or held by another round.");
         let dead_letters_failed = r.int_counter("idem_dead_letters_failed_total", "Dead letters that could not be written after bounded tries; their batch is read again.");
         let producers_rebuilt = r.int_counter(
             "idem_producer_rebuilt_total",
@@ -210,6 +212,7 @@ impl Metrics {
         Metrics {
             producers_rebuilt,
             outbox_quarantined,
+            outbox_held_back,
             dead_letters_failed,
             postgres_writable,
             postgres_retries: r.counter("idem_postgres_retries_total", "Database work retried because Postgres was unavailable, read-only or out of resources, by stage.", &["stage"]),
@@ -410,6 +413,11 @@ impl Metrics {
 
     pub fn outbox_quarantined(&self) {
         self.outbox_quarantined.inc();
+    }
+
+    /// `n` outcome events left queued behind an earlier outcome of their key.
+    pub fn outbox_held_back(&self, n: usize) {
+        self.outbox_held_back.inc_by(n as u64);
     }
 
     pub fn dead_letter_failed(&self) {

@@ -122,6 +122,82 @@ async fn approval_gates_execution_and_binds_to_the_request() {
     relay.stop().await;
 }
 
+/// A key's status changes go out in order. The outcome of an approved call, which its finish
+/// hands to the publishers, waits while the key's `pending_approval` outcome is queued and held
+/// by another publishing round (a transaction holds it here, as a round whose send failed holds
+/// it until it puts it back); once let go, `pending_approval` goes out again (same id), then
+/// the call's outcome.
+#[tokio::test]
+async fn an_approved_calls_outcome_waits_for_the_pending_approval_before_it() {
+    let env = Env::new().await;
+    let outcomes = env.outcomes().await;
+    let relay = env.start(env.config(REFUND, "").await).await;
+    let key = "r1:refund:ticket-7:o1";
+    env.producer()
+        .send(&action("e1", refund("r1", "o1", 40, "sorry")))
+        .await;
+    outcomes.answer("e1", "pending_approval").await;
+    let pg = env.pg().await;
+    let parked = "select id from outbox where kafka_key = $1";
+    pg.execute(
+        &format!("insert into outbox_pending (id) {parked}"),
+        &[&key],
+    )
+    .await
+    .unwrap();
+    let holder = env.pg().await;
+    holder.batch_execute("begin").await.unwrap();
+    holder
+        .execute(
+            &format!("select id from outbox_pending where id in ({parked}) for update"),
+            &[&key],
+        )
+        .await
+        .unwrap();
+
+    idem::gates::decide(
+        &pool(&env).await,
+        &env.schema,
+        key,
+        Decision::Approve,
+        "ada",
+        "ok",
+        None,
+    )
+    .await
+    .unwrap();
+    common::eventually(
+        "the approved call's outcome held back",
+        Duration::from_secs(30),
+        || async {
+            let m = common::metrics(relay.admin()).await;
+            common::sample(&m, "idem_outbox_held_back_total") >= 1.0
+        },
+    )
+    .await;
+    assert_eq!(env.downstream.effects(key), 1);
+    let statuses = || -> Vec<String> {
+        outcomes
+            .answers("e1")
+            .iter()
+            .map(|o| o["data"]["status"].as_str().unwrap_or("?").to_string())
+            .collect()
+    };
+    assert_eq!(
+        statuses(),
+        ["pending_approval"],
+        "the call's outcome went out while the one before it was held"
+    );
+    holder.batch_execute("rollback").await.unwrap();
+    outcomes.answer("e1", "succeeded").await;
+    assert_eq!(
+        statuses(),
+        ["pending_approval", "pending_approval", "succeeded"],
+        "in topic order"
+    );
+    relay.stop().await;
+}
+
 /// Keys nobody decides on are rejected at their tool's approval timeout, without running; the
 /// timeout's decision is on record, and a repeat afterwards gets that answer.
 #[tokio::test]

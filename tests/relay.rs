@@ -1017,6 +1017,8 @@ async fn a_keys_later_outcome_waits_while_another_round_holds_its_earlier_one() 
         "k1's second outcome went out while its first was held: {:?}",
         outcomes.answers("second")
     );
+    let m = common::metrics(relay.admin()).await;
+    assert!(common::sample(&m, "idem_outbox_held_back_total") >= 1.0);
     holder.batch_execute("rollback").await.unwrap();
     outcomes.answer("second", "succeeded").await;
     let k1: Vec<String> = outcomes

@@ -124,7 +124,7 @@ fn data(state: &KeyState, action_event_id: &str, duplicate: bool, note: String) 
 
 /// The key's own outcome for status change number `seq`, answering its first action event.
 pub fn status_change(state: &KeyState, seq: i32, traceparent: Option<String>) -> Outcome {
-    Outcome::new(
+    let mut outcome = Outcome::new(
         // The first event id keeps read-only intents (one per delivery, same key) apart.
         outcome_id(
             &state.key,
@@ -133,7 +133,9 @@ pub fn status_change(state: &KeyState, seq: i32, traceparent: Option<String>) ->
         data(state, &state.first_event_id, false, first_note(state)),
         state.at,
         traceparent,
-    )
+    );
+    outcome.follows = seq > 1;
+    outcome
 }
 
 /// The answer to a later action event for the same key: the stored result, marked duplicate.

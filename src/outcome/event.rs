@@ -224,6 +224,10 @@ pub struct Outcome {
     /// The CloudEvent, serialized once: written to the outbox and sent to Kafka as these bytes.
     pub payload: String,
     pub traceparent: Option<String>,
+    /// A status change after the key's first: an earlier outcome of the key may still wait in
+    /// the outbox, and this one must not go out before it (checked for the rows a finish hands
+    /// to the publishers; a round reading the queue checks every row).
+    pub follows: bool,
 }
 
 /// An outcome's CloudEvent as it is serialized, its attributes in the order of their names.
@@ -297,6 +301,7 @@ impl Outcome {
             key,
             payload,
             traceparent,
+            follows: false,
         }
     }
 

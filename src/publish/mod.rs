@@ -6,7 +6,7 @@
 
 use crate::publish::handoff::Handoff;
 use crate::publish::outbox::{OutboxRow, RoundStatements};
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -82,9 +82,13 @@ impl Publisher {
         loop {
             let handed = self.handoff.take(GROUP_MAX as usize);
             if !handed.is_empty() {
-                if let Err(e) = self.publish_handed(handed).await {
-                    tracing::warn!(error = %e, "handed outcomes not published; the queue keeps them for the next round");
-                    poll = true;
+                match self.publish_handed(handed).await {
+                    // Rows left queued behind an earlier outcome of their key go with a poll.
+                    Ok(held_back) => poll |= held_back > 0,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "handed outcomes not published; the queue keeps them for the next round");
+                        poll = true;
+                    }
                 }
             }
             if poll || last_poll.elapsed() >= interval {
@@ -150,13 +154,14 @@ impl Publisher {
     /// One batch of handed rows: taken out of the queue under lock (rows another round holds
     /// or published are skipped), sent, and the rows Kafka did not acknowledge put back. Two
     /// round trips, as a round read from the queue: the `begin` with the dequeue, the `commit`
-    /// with the requeue. A crash before the commit leaves every row queued.
+    /// with the requeue. A crash before the commit leaves every row queued. Returns how many
+    /// rows it left queued, for a poll, behind an earlier outcome of their key.
     pub async fn publish_handed(&self, rows: Vec<OutboxRow>) -> Result<usize, PublishError> {
         let open = db::OpenTransaction::new(self.pool.get().await.map_err(DbError::from)?);
         let round = self.handed_round(open.client(), rows).await;
         match open.close(round).await? {
             (_, Some(failed)) => Err(failed),
-            (rows, None) => Ok(rows),
+            (held_back, None) => Ok(held_back),
         }
     }
 
@@ -170,8 +175,11 @@ impl Publisher {
         let statements = RoundStatements::prepare(client).await?;
         // Not flushed at commit: a dequeue a crash of Postgres undoes only publishes the rows
         // again, under the same event ids, as a crash between the send and the dequeue does.
-        let rows =
+        let (rows, behind) =
             db::begin_unflushed_with(client, statements.unpublished(client, GROUP_MAX)).await?;
+        self.metrics.outbox_held_back(behind);
+        // Rows left queued behind a held row do not count: a round full of them read again at
+        // once would only find them behind again.
         let fetched = rows.len();
         if fetched == 0 {
             client.batch_execute("commit").await?;
@@ -196,20 +204,41 @@ impl Publisher {
     }
 
     /// [`Self::publish_round`] for handed rows.
+    ///
+    /// A key's outcomes go out in the order written. A handed status change that follows an
+    /// earlier one of its key ([`OutboxRow::follows`]: after an approval, a verification) is
+    /// left queued, with the round's other rows of that key, while an earlier row of the key
+    /// is queued (one more round trip, only for such rows). So are the rows taken after a row
+    /// of their key that this round could not take (another round holds it, or published it).
     async fn handed_round(
         &self,
         client: &deadpool_postgres::Object,
         rows: Vec<OutboxRow>,
     ) -> Result<(usize, Option<PublishError>), PublishError> {
         let statements = RoundStatements::prepare(client).await?;
+        let waiting = statements.keys_behind(client, &rows).await?;
+        let (rows, left): (Vec<OutboxRow>, Vec<OutboxRow>) =
+            rows.into_iter().partition(|r| !waiting.contains(&r.key));
         let ids: Vec<i64> = rows.iter().map(|r| r.id).collect();
         // Not flushed at commit, as a round read from the queue (`publish_round`).
         let mine =
             db::begin_unflushed_with(client, statements.dequeue_handed(client, &ids)).await?;
-        let rows: Vec<OutboxRow> = rows.into_iter().filter(|r| mine.contains(&r.id)).collect();
+        let (taken, skipped): (Vec<OutboxRow>, Vec<OutboxRow>) =
+            rows.into_iter().partition(|r| mine.contains(&r.id));
+        let mut first_skipped: HashMap<&str, i64> = HashMap::new();
+        for r in &skipped {
+            let first = first_skipped.entry(r.key.as_str()).or_insert(r.id);
+            *first = (*first).min(r.id);
+        }
+        let (later, rows): (Vec<OutboxRow>, Vec<OutboxRow>) = taken
+            .into_iter()
+            .partition(|r| first_skipped.get(r.key.as_str()).is_some_and(|&f| f < r.id));
+        let held_back = left.len() + later.len();
+        self.metrics.outbox_held_back(held_back);
+        let later: Vec<i64> = later.iter().map(|r| r.id).collect();
         if rows.is_empty() {
-            client.batch_execute("commit").await?;
-            return Ok((0, None));
+            db::commit_with(client, statements.requeue(client, &later)).await?;
+            return Ok((held_back, None));
         }
         let started = std::time::SystemTime::now();
         let sent = self.send(&rows).await;
@@ -220,9 +249,10 @@ impl Publisher {
             .iter()
             .map(|r| r.id)
             .filter(|id| !sent.acked.contains(id) && !refused.contains(id))
+            .chain(later)
             .collect();
         db::commit_with(client, statements.requeue(client, &unsent)).await?;
-        Ok((rows.len(), self.after_commit(&rows, sent, started).await))
+        Ok((held_back, self.after_commit(&rows, sent, started).await))
     }
 
     /// Sends the rows and waits for every acknowledgement.

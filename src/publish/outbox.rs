@@ -102,6 +102,7 @@ pub(crate) fn written_rows(outcomes: Vec<Outcome>, written: Vec<(i64, String)>) 
                 payload: o.payload,
                 traceparent: o.traceparent,
                 written_here: true,
+                follows: o.follows,
             })
         })
         .collect()
@@ -123,6 +124,10 @@ pub struct OutboxRow {
     /// are `event_id` and `key` (and the other attributes idem's own); a row read from the
     /// queue may have been written by hand, and its headers are read from its JSON.
     pub written_here: bool,
+    /// Handed over from a status change after its key's first ([`Outcome::follows`]): sent only
+    /// once no earlier row of its key waits in the queue. (A round reading the queue checks
+    /// every row it reads.)
+    pub follows: bool,
 }
 
 // The oldest queued rows (schema migration 9), locked; a queued row whose outbox row is already
@@ -138,11 +143,11 @@ pub struct OutboxRow {
 //
 // A key's outcomes go out in the order they were written (ids: a key's rows are written under
 // its intent's lock, so its ids follow the commits). The rows another round holds are skipped
-// (`held`: queued before this round's last, not this round's), and with them this round's later
-// rows of the same keys, which stay queued, locked until the commit, for a later round: sent
-// now, they could overtake the held row (that round's send failed and puts it back; or it
-// sends after this one). The held rows' keys are read once, by id; usually nothing is held and
-// that is a read of the queue's ids this round locked already.
+// (`held`: queued before this round's last, not this round's), and this round's later rows of
+// the same keys come back `behind`: the round leaves them queued (locked until its commit) for
+// a later round. Sent now, they could overtake the held row (that round's send failed and puts
+// it back, or it sends after this one). The held rows' keys are read once, by id; usually
+// nothing is held and that is a read of the queue's ids this round locked already.
 const SELECT_UNPUBLISHED: &str = "
     with mine as materialized (
              select id from outbox_pending order by id limit $1 for update skip locked),
@@ -154,10 +159,11 @@ const SELECT_UNPUBLISHED: &str = "
                     except select id from mine))
               group by o.kafka_key)
     select o.id, o.event_id, o.kafka_key, o.payload::text as payload, o.traceparent,
-           o.published_at is null and o.quarantined_at is null as live
+           o.published_at is null and o.quarantined_at is null as live,
+           exists (select 1 from held h where h.kafka_key = o.kafka_key and h.first < o.id)
+               as behind
       from outbox o
      where o.id = any(array(select id from mine))
-       and not exists (select 1 from held h where h.kafka_key = o.kafka_key and h.first < o.id)
      order by o.id
        for update of o skip locked";
 
@@ -174,6 +180,16 @@ const DEQUEUE_HANDED: &str = "
      where id = any(array(select id from outbox_pending where id = any($1)
                            for update skip locked))
     returning id";
+
+// Of the keys of handed rows that follow an earlier status change ($1), those with a queued row
+// before this round's last row ($3) that is not this round's ($2): that row goes first, so the
+// round leaves these keys' rows queued. By the key's index: a key has a row per status change
+// and per repeat answered through the outbox.
+const KEYS_BEHIND: &str = "
+    select distinct o.kafka_key
+      from outbox o
+     where o.kafka_key = any($1) and o.id < $3 and o.id <> all($2)
+       and exists (select 1 from outbox_pending p where p.id = o.id)";
 
 // Handed rows taken out of the queue that Kafka did not acknowledge: back in, for a poll.
 const REQUEUE: &str =
@@ -230,22 +246,50 @@ pub(crate) struct RoundStatements {
     dequeue: tokio_postgres::Statement,
     dequeue_handed: tokio_postgres::Statement,
     requeue: tokio_postgres::Statement,
+    keys_behind: tokio_postgres::Statement,
 }
 
 impl RoundStatements {
     pub(crate) async fn prepare(client: &impl GenericClient) -> Result<Self, DbError> {
-        let (select, dequeue, dequeue_handed, requeue) = futures::try_join!(
+        let (select, dequeue, dequeue_handed, requeue, keys_behind) = futures::try_join!(
             client.prepare_cached(SELECT_UNPUBLISHED),
             client.prepare_cached(DEQUEUE),
             client.prepare_cached(DEQUEUE_HANDED),
-            client.prepare_cached(REQUEUE)
+            client.prepare_cached(REQUEUE),
+            client.prepare_cached(KEYS_BEHIND)
         )?;
         Ok(RoundStatements {
             select,
             dequeue,
             dequeue_handed,
             requeue,
+            keys_behind,
         })
+    }
+
+    /// The keys among `rows`' (handed rows) that must wait: a row of theirs [`OutboxRow::follows`]
+    /// an earlier status change, and a row of the key before `rows`' last, not one of them, is
+    /// still queued. No statement when no row follows another.
+    pub(crate) async fn keys_behind(
+        &self,
+        client: &impl GenericClient,
+        rows: &[OutboxRow],
+    ) -> Result<std::collections::HashSet<String>, DbError> {
+        let keys: Vec<&str> = rows
+            .iter()
+            .filter(|r| r.follows)
+            .map(|r| r.key.as_str())
+            .collect();
+        let Some(last) = rows.iter().map(|r| r.id).max().filter(|_| !keys.is_empty()) else {
+            return Ok(Default::default());
+        };
+        let ids: Vec<i64> = rows.iter().map(|r| r.id).collect();
+        Ok(client
+            .query(&self.keys_behind, &[&keys, &ids, &last])
+            .await?
+            .iter()
+            .map(|r| r.get(0))
+            .collect())
     }
 
     /// Takes handed rows out of the queue, locked until the commit: the ids this round may
@@ -276,15 +320,16 @@ impl RoundStatements {
         Ok(())
     }
 
-    /// Locks up to `limit` unpublished rows, oldest first, skipping those another round holds.
+    /// Locks up to `limit` unpublished rows, oldest first, skipping those another round holds:
+    /// the rows to send, and how many were left queued behind a held row of their key.
     pub(crate) async fn unpublished(
         &self,
         client: &impl GenericClient,
         limit: i64,
-    ) -> Result<Vec<OutboxRow>, DbError> {
-        Ok(client
-            .query(&self.select, &[&limit])
-            .await?
+    ) -> Result<(Vec<OutboxRow>, usize), DbError> {
+        let read = client.query(&self.select, &[&limit]).await?;
+        let (behind, rows): (Vec<_>, Vec<_>) = read.iter().partition(|r| r.get("behind"));
+        let rows = rows
             .iter()
             .map(|r| OutboxRow {
                 id: r.get("id"),
@@ -294,8 +339,10 @@ impl RoundStatements {
                 payload: compact(r.get("payload")),
                 traceparent: r.get("traceparent"),
                 written_here: false,
+                follows: false,
             })
-            .collect())
+            .collect();
+        Ok((rows, behind.len()))
     }
 
     /// Drops rows from the queue: those Kafka acknowledged, which makes them published, and
@@ -395,8 +442,11 @@ mod tests {
         let read = db.rows("begin; execute s(1000); rollback").await;
         let key = |r: &Vec<(String, String)>| -> i64 { r[2].1[1..].parse().expect("k<n>") };
         // Rows 1,001–2,000: those of keys k1..k500 (rows 1,501–2,000 but 1,500's k0) wait.
-        assert_eq!(read.len(), 500, "rows 1,001–1,499 and 1,500");
-        assert!(read.iter().all(|r| !(1..=1000).contains(&key(r))));
+        let (behind, sent): (Vec<_>, Vec<_>) = read.iter().partition(|r| r[6].1 == "t");
+        assert_eq!(sent.len(), 500, "rows 1,001–1,499 and 1,500");
+        assert!(sent.iter().all(|r| !(1..=1000).contains(&key(r))));
+        assert!(behind.iter().all(|r| (1..=500).contains(&key(r))));
+        assert_eq!(behind.len(), 500);
         let plan = db.explain("execute s(1000)").await;
         let n = rows_read(&plan, "outbox");
         assert!(
