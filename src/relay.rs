@@ -78,8 +78,9 @@ pub async fn start(config: Config, shutdown: CancellationToken) -> Result<Handle
     let tools: Vec<&str> = config.tools.iter().map(|t| t.name.as_str()).collect();
     metrics.prime(&tools, &[&config.kafka.outcomes_topic]);
     let pool = db::data_path_pool(&config.postgres)?;
-    // Pruning and the admin API (explain, approvals) plan with the server's own settings.
-    let maintenance = db::pool(&config.postgres)?;
+    // Pruning and the admin API (explain, approvals) plan with the server's own settings, their
+    // statements bounded.
+    let maintenance = db::maintenance_pool(&config.postgres)?;
     check_schema(&pool, &config).await?;
     warn_about_gates(&config);
 

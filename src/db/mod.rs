@@ -337,8 +337,24 @@ pub fn control_pool(cfg: &PostgresConfig) -> Result<Pool, DbError> {
     pool_of(pg_config_with(cfg, DATA_PATH_SETTINGS)?, 2)
 }
 
+/// A pool with the server's settings, for people's commands (the CLI), which a person can
+/// interrupt.
 pub fn pool(cfg: &PostgresConfig) -> Result<Pool, DbError> {
     pool_of(pg_config(cfg)?, cfg.pool_size)
+}
+
+/// Session settings of the relay's maintenance pool (pruning, the admin API and console): the
+/// server's planner settings, every statement bounded as the data path's are. A statement that
+/// waits on a lock (a key a finish or a long transaction holds) fails instead of holding its
+/// connection; an admin request that timed out and was dropped returns its connection to the
+/// pool with its statement still running, and the next request given that connection would
+/// wait behind it.
+const MAINTENANCE_SETTINGS: &str = " -c statement_timeout=30000 -c lock_timeout=10000";
+
+/// Pruning and the admin API: the server's settings, statements bounded
+/// ([`MAINTENANCE_SETTINGS`]).
+pub fn maintenance_pool(cfg: &PostgresConfig) -> Result<Pool, DbError> {
+    pool_of(pg_config_with(cfg, MAINTENANCE_SETTINGS)?, cfg.pool_size)
 }
 
 fn pool_of(
@@ -546,6 +562,29 @@ pub fn latest_version() -> i32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    // The relay's maintenance connections plan as the server does (not as the data path) and
+    // bound every statement, its lock waits too.
+    #[tokio::test]
+    async fn the_maintenance_pool_plans_as_the_server_and_bounds_its_statements() {
+        let db = plans::Fresh::new().await;
+        let client = maintenance_pool(&db.cfg)
+            .expect("pool")
+            .get()
+            .await
+            .expect("connection");
+        let row = client
+            .query_one(
+                "select current_setting('statement_timeout'), current_setting('lock_timeout'),
+                        current_setting('enable_seqscan'), current_setting('plan_cache_mode')",
+                &[],
+            )
+            .await
+            .expect("settings");
+        let settings: [String; 4] = std::array::from_fn(|i| row.get(i));
+        assert_eq!(settings, ["30s", "10s", "on", "auto"]);
+        db.drop().await;
+    }
 
     #[test]
     fn sqlstates_are_sorted_into_unavailable_refused_and_other() {
