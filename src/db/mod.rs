@@ -307,8 +307,9 @@ fn pg_config_with(
 /// still small (a new schema, not yet analyzed) must not scan the whole table on every later
 /// execution: sequential scans are priced out, the prepared (generic) plan is kept instead of
 /// being planned anew on every execution, and nothing is JIT-compiled (the price of a scan
-/// priced out would otherwise pass the JIT threshold). Maintenance and people's commands
-/// (prune, explain, approvals) use [`pool`], with the server's settings.
+/// priced out would otherwise pass the JIT threshold). The relay's maintenance (pruning, the
+/// admin API) uses [`maintenance_pool`] and people's commands [`pool`], with the server's
+/// settings.
 ///
 /// Every statement is bounded too: no data-path statement should take seconds, and one that
 /// waits on a lock or a stalled disk fails (57014, 55P03: unavailable, retried with backoff)

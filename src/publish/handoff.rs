@@ -5,6 +5,7 @@
 //! round skips, so a row goes out once whichever relay or path meets it first. A row that is
 //! not handed (the relay stopped, the hand-off was full) waits in the queue for a poll.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
 use tokio::sync::Notify;
@@ -22,6 +23,9 @@ pub struct Handoff {
     handed: Notify,
     /// The publishers should read the queue: rows were committed that are not handed.
     poll: Notify,
+    /// A round left rows queued behind a row of their key that another round held: the next
+    /// round to commit asks for a poll, which may send them now.
+    held_back: AtomicBool,
 }
 
 impl Handoff {
@@ -51,6 +55,20 @@ impl Handoff {
         self.poll.notify_one();
     }
 
+    /// A round left rows queued behind an earlier row of their key that another round holds.
+    pub(crate) fn held_back(&self) {
+        self.held_back.store(true, Ordering::Release);
+    }
+
+    /// A round that took rows committed (its rows are published or back in the queue): if a
+    /// round left rows behind meanwhile, a poll may send them now. Otherwise they wait for the
+    /// next poll: a round of another relay does not tell this one it committed.
+    pub(crate) fn round_committed(&self) {
+        if self.held_back.swap(false, Ordering::AcqRel) {
+            self.wake_poll();
+        }
+    }
+
     /// Takes up to `max` handed rows, oldest first.
     pub(crate) fn take(&self, max: usize) -> Vec<OutboxRow> {
         let mut waiting = self.rows.lock().expect("hand-off lock");
@@ -71,5 +89,30 @@ impl Handoff {
     /// Completes once a poll is asked for.
     pub(crate) async fn poll_asked(&self) {
         self.poll.notified().await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use futures::FutureExt;
+
+    #[test]
+    fn a_round_committing_after_rows_were_held_back_asks_for_one_poll() {
+        let handoff = Handoff::new();
+        handoff.round_committed();
+        assert!(
+            handoff.poll_asked().now_or_never().is_none(),
+            "nothing was held back"
+        );
+        handoff.held_back();
+        handoff.held_back();
+        handoff.round_committed();
+        assert!(handoff.poll_asked().now_or_never().is_some());
+        handoff.round_committed();
+        assert!(
+            handoff.poll_asked().now_or_never().is_none(),
+            "one poll for what was held back before a commit"
+        );
     }
 }

@@ -49,6 +49,15 @@ pub struct Publisher {
     pub handoff: Arc<Handoff>,
 }
 
+/// What a round came to.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Round {
+    /// Rows it took: sent, set aside, or put back for a later round.
+    pub taken: usize,
+    /// Rows it left queued behind an earlier row of their key.
+    pub held_back: usize,
+}
+
 /// What a round's sends came to.
 struct Sent<'a> {
     /// Acknowledged by Kafka: published once out of the queue.
@@ -64,8 +73,9 @@ struct Sent<'a> {
 impl Publisher {
     /// Publishes until `shutdown`, then once more until the outbox is empty or `final_grace`
     /// has passed. Handed rows go out as they come; the queue is read at start, when asked
-    /// (a NOTIFY, a handed round that failed), after a full round, and every
-    /// `outbox_poll_interval` whatever else happens, for the rows nothing handed (another
+    /// (a NOTIFY, a handed round that failed or left rows queued behind an earlier row of their
+    /// key, a round that committed while rows waited behind its own), after a full round, and
+    /// every `outbox_poll_interval` whatever else happens, for the rows nothing handed (another
     /// relay's, a crashed run's).
     pub async fn run(
         self,
@@ -84,7 +94,7 @@ impl Publisher {
             if !handed.is_empty() {
                 match self.publish_handed(handed).await {
                     // Rows left queued behind an earlier outcome of their key go with a poll.
-                    Ok(held_back) => poll |= held_back > 0,
+                    Ok(round) => poll |= round.held_back > 0,
                     Err(e) => {
                         tracing::warn!(error = %e, "handed outcomes not published; the queue keeps them for the next round");
                         poll = true;
@@ -94,7 +104,11 @@ impl Publisher {
             if poll || last_poll.elapsed() >= interval {
                 last_poll = Instant::now();
                 poll = match self.publish_once().await {
-                    Ok(n) => n as i64 == GROUP_MAX,
+                    // A full round: read on. A round that only found rows behind a held one
+                    // would only find them again.
+                    Ok(round) => {
+                        round.taken > 0 && (round.taken + round.held_back) as i64 == GROUP_MAX
+                    }
                     Err(e) => {
                         tracing::warn!(error = %e, "outbox publish failed; will retry");
                         false
@@ -120,7 +134,7 @@ impl Publisher {
         let deadline = Instant::now() + final_grace;
         while Instant::now() < deadline {
             match self.publish_once().await {
-                Ok(0) => break,
+                Ok(round) if round.taken == 0 => break,
                 Ok(_) => {}
                 Err(e) => {
                     tracing::warn!(error = %e, "outbox publish failed during shutdown");
@@ -139,51 +153,51 @@ impl Publisher {
         }
     }
 
-    /// One batch read from the queue: lock unpublished rows, send them all, wait for every
-    /// acknowledgement, dequeue. Its transaction is two round trips: the `begin` goes out with
-    /// the select, the `commit` with the dequeue.
-    pub async fn publish_once(&self) -> Result<usize, PublishError> {
+    /// One batch read from the queue: lock unpublished rows, send them all (but those behind a
+    /// row of their key another round holds), wait for every acknowledgement, dequeue. Its
+    /// transaction is two round trips: the `begin` goes out with the select, the `commit` with
+    /// the dequeue.
+    pub async fn publish_once(&self) -> Result<Round, PublishError> {
         let open = db::OpenTransaction::new(self.pool.get().await.map_err(DbError::from)?);
         let round = self.publish_round(open.client()).await;
-        match open.close(round).await? {
-            (_, Some(failed)) => Err(failed),
-            (rows, None) => Ok(rows),
-        }
+        let (round, failed) = open.close(round).await?;
+        self.committed(round);
+        failed.map_or(Ok(round), Err)
     }
 
     /// One batch of handed rows: taken out of the queue under lock (rows another round holds
     /// or published are skipped), sent, and the rows Kafka did not acknowledge put back. Two
     /// round trips, as a round read from the queue: the `begin` with the dequeue, the `commit`
-    /// with the requeue. A crash before the commit leaves every row queued. Returns how many
-    /// rows it left queued, for a poll, behind an earlier outcome of their key.
-    pub async fn publish_handed(&self, rows: Vec<OutboxRow>) -> Result<usize, PublishError> {
+    /// with the requeue (three when a row follows an earlier status change of its key, below).
+    /// A crash before the commit leaves every row queued.
+    pub async fn publish_handed(&self, rows: Vec<OutboxRow>) -> Result<Round, PublishError> {
         let open = db::OpenTransaction::new(self.pool.get().await.map_err(DbError::from)?);
         let round = self.handed_round(open.client(), rows).await;
-        match open.close(round).await? {
-            (_, Some(failed)) => Err(failed),
-            (held_back, None) => Ok(held_back),
-        }
+        let (round, failed) = open.close(round).await?;
+        self.committed(round);
+        failed.map_or(Ok(round), Err)
     }
 
     /// A round in the transaction the caller opened: `Err` when it did not commit; otherwise
-    /// the rows read, and what failed after the commit (outcomes Kafka did not acknowledge,
-    /// which stay unpublished for the next round).
+    /// what it took and left, and what failed after the commit (outcomes Kafka did not
+    /// acknowledge, which stay unpublished for the next round).
     async fn publish_round(
         &self,
         client: &deadpool_postgres::Object,
-    ) -> Result<(usize, Option<PublishError>), PublishError> {
+    ) -> Result<(Round, Option<PublishError>), PublishError> {
         let statements = RoundStatements::prepare(client).await?;
         // Not flushed at commit: a dequeue a crash of Postgres undoes only publishes the rows
         // again, under the same event ids, as a crash between the send and the dequeue does.
-        let (rows, behind) =
+        let (rows, held_back) =
             db::begin_unflushed_with(client, statements.unpublished(client, GROUP_MAX)).await?;
-        self.metrics.outbox_held_back(behind);
-        // Rows left queued behind a held row do not count: a round full of them read again at
-        // once would only find them behind again.
-        let fetched = rows.len();
-        if fetched == 0 {
+        self.note_held_back(held_back);
+        let round = Round {
+            taken: rows.len(),
+            held_back,
+        };
+        if rows.is_empty() {
             client.batch_execute("commit").await?;
-            return Ok((0, None));
+            return Ok((round, None));
         }
         // Queued rows that a relay of an earlier version published (or quarantined) already:
         // only dropped from the queue.
@@ -200,7 +214,26 @@ impl Publisher {
             .chain(stale.iter().map(|r| r.id))
             .collect();
         db::commit_with(client, statements.dequeue(client, &dequeued)).await?;
-        Ok((fetched, self.after_commit(&rows, sent, started).await))
+        Ok((round, self.after_commit(&rows, sent, started).await))
+    }
+
+    /// After a round committed: one that took rows (a row another round left behind may have
+    /// waited for them) asks for a poll if a round left rows behind meanwhile. One that took
+    /// nothing does not, or a round finding rows behind a row another relay holds would wake
+    /// itself again and again.
+    fn committed(&self, round: Round) {
+        if round.taken > 0 {
+            self.handoff.round_committed();
+        }
+    }
+
+    /// Counts rows a round left queued behind an earlier row of their key, and has the next
+    /// round to commit ask for a poll.
+    fn note_held_back(&self, n: usize) {
+        if n > 0 {
+            self.metrics.outbox_held_back(n);
+            self.handoff.held_back();
+        }
     }
 
     /// [`Self::publish_round`] for handed rows.
@@ -208,37 +241,41 @@ impl Publisher {
     /// A key's outcomes go out in the order written. A handed status change that follows an
     /// earlier one of its key ([`OutboxRow::follows`]: after an approval, a verification) is
     /// left queued, with the round's other rows of that key, while an earlier row of the key
-    /// is queued (one more round trip, only for such rows). So are the rows taken after a row
-    /// of their key that this round could not take (another round holds it, or published it).
+    /// is queued (one more round trip, only for such rows). Rows taken after a row of their key
+    /// that this round could not take (another round holds it, or published it) are put back.
     async fn handed_round(
         &self,
         client: &deadpool_postgres::Object,
-        rows: Vec<OutboxRow>,
-    ) -> Result<(usize, Option<PublishError>), PublishError> {
+        mut handed: Vec<OutboxRow>,
+    ) -> Result<(Round, Option<PublishError>), PublishError> {
+        // In the order written, whatever order the finishes handed them in.
+        handed.sort_unstable_by_key(|r| r.id);
         let statements = RoundStatements::prepare(client).await?;
-        let waiting = statements.keys_behind(client, &rows).await?;
-        let (rows, left): (Vec<OutboxRow>, Vec<OutboxRow>) =
-            rows.into_iter().partition(|r| !waiting.contains(&r.key));
-        let ids: Vec<i64> = rows.iter().map(|r| r.id).collect();
+        let waiting = statements.keys_behind(client, &handed).await?;
+        let (offered, left): (Vec<OutboxRow>, Vec<OutboxRow>) =
+            handed.into_iter().partition(|r| !waiting.contains(&r.key));
+        let ids: Vec<i64> = offered.iter().map(|r| r.id).collect();
         // Not flushed at commit, as a round read from the queue (`publish_round`).
         let mine =
             db::begin_unflushed_with(client, statements.dequeue_handed(client, &ids)).await?;
         let (taken, skipped): (Vec<OutboxRow>, Vec<OutboxRow>) =
-            rows.into_iter().partition(|r| mine.contains(&r.id));
+            offered.into_iter().partition(|r| mine.contains(&r.id));
         let mut first_skipped: HashMap<&str, i64> = HashMap::new();
         for r in &skipped {
-            let first = first_skipped.entry(r.key.as_str()).or_insert(r.id);
-            *first = (*first).min(r.id);
+            first_skipped.entry(r.key.as_str()).or_insert(r.id);
         }
-        let (later, rows): (Vec<OutboxRow>, Vec<OutboxRow>) = taken
+        let (put_back, rows): (Vec<OutboxRow>, Vec<OutboxRow>) = taken
             .into_iter()
             .partition(|r| first_skipped.get(r.key.as_str()).is_some_and(|&f| f < r.id));
-        let held_back = left.len() + later.len();
-        self.metrics.outbox_held_back(held_back);
-        let later: Vec<i64> = later.iter().map(|r| r.id).collect();
+        let round = Round {
+            taken: rows.len() + put_back.len(),
+            held_back: left.len() + put_back.len(),
+        };
+        self.note_held_back(round.held_back);
+        let put_back: Vec<i64> = put_back.iter().map(|r| r.id).collect();
         if rows.is_empty() {
-            db::commit_with(client, statements.requeue(client, &later)).await?;
-            return Ok((held_back, None));
+            db::commit_with(client, statements.requeue(client, &put_back)).await?;
+            return Ok((round, None));
         }
         let started = std::time::SystemTime::now();
         let sent = self.send(&rows).await;
@@ -249,10 +286,10 @@ impl Publisher {
             .iter()
             .map(|r| r.id)
             .filter(|id| !sent.acked.contains(id) && !refused.contains(id))
-            .chain(later)
+            .chain(put_back)
             .collect();
         db::commit_with(client, statements.requeue(client, &unsent)).await?;
-        Ok((held_back, self.after_commit(&rows, sent, started).await))
+        Ok((round, self.after_commit(&rows, sent, started).await))
     }
 
     /// Sends the rows and waits for every acknowledgement.

@@ -142,12 +142,15 @@ pub struct OutboxRow {
 // the previous version lock those alone).
 //
 // A key's outcomes go out in the order they were written (ids: a key's rows are written under
-// its intent's lock, so its ids follow the commits). The rows another round holds are skipped
+// its intent's lock, so its ids follow the commits; a read-only tool's calls share a key but
+// not an intent, and answer different action events, which are not ordered with each other:
+// holding them back too costs nothing). The rows another round holds are skipped
 // (`held`: queued before this round's last, not this round's), and this round's later rows of
 // the same keys come back `behind`: the round leaves them queued (locked until its commit) for
 // a later round. Sent now, they could overtake the held row (that round's send failed and puts
 // it back, or it sends after this one). The held rows' keys are read once, by id; usually
-// nothing is held and that is a read of the queue's ids this round locked already.
+// nothing is held and that is a read of the queue's ids this round locked already. `held` has
+// a row per key, so the outer join finds a row's in one probe, not a walk of `held` per row.
 const SELECT_UNPUBLISHED: &str = "
     with mine as materialized (
              select id from outbox_pending order by id limit $1 for update skip locked),
@@ -160,9 +163,8 @@ const SELECT_UNPUBLISHED: &str = "
               group by o.kafka_key)
     select o.id, o.event_id, o.kafka_key, o.payload::text as payload, o.traceparent,
            o.published_at is null and o.quarantined_at is null as live,
-           exists (select 1 from held h where h.kafka_key = o.kafka_key and h.first < o.id)
-               as behind
-      from outbox o
+           coalesce(h.first < o.id, false) as behind
+      from outbox o left join held h on h.kafka_key = o.kafka_key
      where o.id = any(array(select id from mine))
      order by o.id
        for update of o skip locked";
@@ -275,15 +277,17 @@ impl RoundStatements {
         client: &impl GenericClient,
         rows: &[OutboxRow],
     ) -> Result<std::collections::HashSet<String>, DbError> {
-        let keys: Vec<&str> = rows
+        let keys: std::collections::HashSet<&str> = rows
             .iter()
             .filter(|r| r.follows)
             .map(|r| r.key.as_str())
             .collect();
-        let Some(last) = rows.iter().map(|r| r.id).max().filter(|_| !keys.is_empty()) else {
+        if keys.is_empty() {
             return Ok(Default::default());
-        };
+        }
+        let keys: Vec<&str> = keys.into_iter().collect();
         let ids: Vec<i64> = rows.iter().map(|r| r.id).collect();
+        let last = ids.iter().copied().max().unwrap_or_default();
         Ok(client
             .query(&self.keys_behind, &[&keys, &ids, &last])
             .await?
