@@ -2,8 +2,9 @@
 //! a Postgres restart and a broker kill, while thousands of actions with 30 % duplicates flow
 //! to a downstream that does not dedupe and sometimes fails, answers 500 after the effect, or
 //! cuts its answer. The checker then asserts, per key: at most one effect, every event
-//! answered, and `unknown` only where verification could not conclude (here: never, since
-//! verification always answers in the end).
+//! answered, `unknown` only where verification could not conclude (here: never, since
+//! verification always answers in the end), and the key's own outcome on the topic before any
+//! answer to a repeat of it.
 //!
 //! Bounded for CI (about 5,000 events); `IDEM_CHAOS_KEYS=20000` soaks longer. It restarts the
 //! shared Postgres and broker, so it is a test binary of its own.
@@ -220,6 +221,29 @@ async fn two_relays_under_every_fault_execute_each_key_at_most_once_and_answer_e
             other => panic!("{k}: {other:?} with {effects} effects"),
         }
     }
+    // A key's outcomes keep their order: the first copy of its own outcome on the topic comes
+    // before the first answer to a repeat of it (a key's outcomes share a partition, collected
+    // in the order written there; copies sent again after a kill come later).
+    let mut first: HashMap<&str, (Option<usize>, Option<usize>)> = HashMap::new();
+    for (i, o) in answered.iter().enumerate() {
+        let k = o["data"]["idempotency_key"].as_str().unwrap();
+        let (own, repeat) = first.entry(k).or_default();
+        let slot = if o["data"]["duplicate"] == true {
+            repeat
+        } else {
+            own
+        };
+        slot.get_or_insert(i);
+    }
+    let overtaken: Vec<&str> = first
+        .iter()
+        .filter(|(_, (own, repeat))| repeat.is_some_and(|r| own.is_none_or(|o| r < o)))
+        .map(|(k, _)| *k)
+        .collect();
+    assert!(
+        overtaken.is_empty(),
+        "a repeat's answer went out before the outcome it repeats: {overtaken:?}"
+    );
     assert!(
         fleet.restarts >= 10,
         "the soak killed relays: {} starts",
