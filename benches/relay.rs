@@ -2,7 +2,7 @@
 //! the idempotency literature writes first, on the same Kafka and Postgres, in one run.
 //!
 //! `cargo bench --bench relay -- [--actions N] [--dup 0.1] [--latency-ms 0] [--partitions 6]
-//! [--payload 200] [--concurrency 256] [--rate 0] [--tick-ms 10] [--naive-actions N]
+//! [--outcome-partitions P] [--payload 200] [--concurrency 256] [--rate 0] [--tick-ms 10] [--naive-actions N]
 //! [--modes idem,naive,dbos,restate] [--prefill N] [--slow-share 0] [--slow-ms 200]`
 //!
 //! `--slow-share S` (idem only) sends a share S of the keys to a second tool, `slow`, whose
@@ -54,6 +54,8 @@ struct Opts {
     dup: f64,
     latency_ms: u64,
     partitions: i32,
+    /// The outcomes topic's partitions (`--partitions` unless set).
+    outcome_partitions: i32,
     payload: usize,
     concurrency: usize,
     modes: Vec<String>,
@@ -92,6 +94,7 @@ fn parse() -> Opts {
         dup: get("--dup").map_or(0.1, |v| v.parse().expect("a ratio")),
         latency_ms: num("--latency-ms", 0) as u64,
         partitions: num("--partitions", 6) as i32,
+        outcome_partitions: num("--outcome-partitions", num("--partitions", 6)) as i32,
         payload: num("--payload", 200),
         concurrency: num("--concurrency", 256),
         rate: num("--rate", 0),
@@ -187,10 +190,11 @@ fn check(r: &Report) {
 
 fn print_table(opts: &Opts, reports: &[Report]) {
     println!(
-        "\nworkload: {} dup ratio, {} ms downstream, {} partitions, {} B args, concurrency {}, rate {}{}{}",
+        "\nworkload: {} dup ratio, {} ms downstream, {} partitions ({} for outcomes), {} B args, concurrency {}, rate {}{}{}",
         opts.dup,
         opts.latency_ms,
         opts.partitions,
+        opts.outcome_partitions,
         opts.payload,
         opts.concurrency,
         if opts.rate == 0 { "flat out".to_string() } else { format!("{}/s", opts.rate) },
@@ -913,7 +917,8 @@ async fn run_mode(mode: &str, n: usize, opts: &Opts) -> Report {
         format!("{base}.outcomes"),
         format!("{base}.dlq"),
     );
-    create_topics(&[&actions, &outcomes, &dlq], opts.partitions).await;
+    create_topics(&[&actions, &dlq], opts.partitions).await;
+    create_topics(&[&outcomes], opts.outcome_partitions).await;
     let stop = CancellationToken::new();
     let downstream = FakeDownstream::new(false);
     let addr = downstream
