@@ -6,7 +6,7 @@
 
 use crate::publish::handoff::Handoff;
 use crate::publish::outbox::{OutboxRow, RoundStatements};
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -258,21 +258,23 @@ impl Publisher {
         // Not flushed at commit, as a round read from the queue (`publish_round`).
         let mine =
             db::begin_unflushed_with(client, statements.dequeue_handed(client, &ids)).await?;
-        let (taken, skipped): (Vec<OutboxRow>, Vec<OutboxRow>) =
-            offered.into_iter().partition(|r| mine.contains(&r.id));
-        let mut first_skipped: HashMap<&str, i64> = HashMap::new();
-        for r in &skipped {
-            first_skipped.entry(r.key.as_str()).or_insert(r.id);
+        // In id order: a row taken after a row of its key that was not is put back.
+        let (mut rows, mut put_back) = (Vec::with_capacity(offered.len()), Vec::new());
+        let mut skipped: HashSet<String> = HashSet::new();
+        for r in offered {
+            if !mine.contains(&r.id) {
+                skipped.insert(r.key);
+            } else if skipped.contains(&r.key) {
+                put_back.push(r.id);
+            } else {
+                rows.push(r);
+            }
         }
-        let (put_back, rows): (Vec<OutboxRow>, Vec<OutboxRow>) = taken
-            .into_iter()
-            .partition(|r| first_skipped.get(r.key.as_str()).is_some_and(|&f| f < r.id));
         let round = Round {
             taken: rows.len() + put_back.len(),
             held_back: left.len() + put_back.len(),
         };
         self.note_held_back(round.held_back);
-        let put_back: Vec<i64> = put_back.iter().map(|r| r.id).collect();
         if rows.is_empty() {
             db::commit_with(client, statements.requeue(client, &put_back)).await?;
             return Ok((round, None));
