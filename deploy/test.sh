@@ -34,6 +34,8 @@ export IDEM_HELM=$helm_bin IDEM_KUBERNETES_VALIDATE=$py/bin/kubernetes-validate
 cargo test --locked --all-targets --features failpoints "$@"
 # The Python client (clients/python) against the relay binary just built.
 IDEM_BIN="$PWD/target/debug/idem" "$py/bin/pytest" -q -p no:cacheprovider clients/python
+# A smoke of the client's benchmark (benches/client_calls.py), so it keeps working.
+IDEM_BIN="$PWD/target/debug/idem" "$py/bin/python" benches/client_calls.py --calls 3 --warmup 1 --linger 0,2
 # The MCP server (`idem mcp` on stdio, `/mcp` over HTTP) with the official Python MCP SDK.
 IDEM_BIN="$PWD/target/debug/idem" "$py/bin/pytest" -q -p no:cacheprovider tests/mcp
 # The console (`/ui/`) in chromium, through WebDriver.

@@ -134,7 +134,7 @@ pub fn client_config(cfg: &KafkaConfig) -> ClientConfig {
 }
 
 /// Sets `defaults` where the client section has not set them already.
-fn with_defaults(
+pub(crate) fn with_defaults(
     mut c: ClientConfig,
     cfg: &KafkaConfig,
     defaults: &[(&str, &str)],

@@ -164,3 +164,15 @@ def test_an_unknown_outcome_is_raised_never_retried(stack: Stack, idem: Idem, ru
     assert unknown.value.outcome.error is not None
     assert unknown.value.outcome.error.code == "outcome_unknown"
     assert stack.effects(key) == 1
+
+
+def test_the_callers_kafka_config_sets_the_linger_but_not_the_delivery_guarantees() -> None:
+    from idem_client._client import _producer_config
+
+    assert _producer_config({"bootstrap.servers": "b:9092"})["linger.ms"] == 0
+    mine = _producer_config(
+        {"bootstrap.servers": "b:9092", "linger.ms": 5, "acks": "1", "enable.idempotence": False}
+    )
+    assert mine["linger.ms"] == 5
+    assert mine["acks"] == "all" and mine["enable.idempotence"] is True
+    assert mine["bootstrap.servers"] == "b:9092"
