@@ -252,13 +252,13 @@ async fn redelivery_after_a_crash_before_the_offset_commit_executes_once() {
     let _relay = Child::spawn(&config, None, dir.path().join("2.log"));
     outcomes.answer("e1", "succeeded").await;
     let admin: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-    common::eventually(
+    common::eventually_metrics(
         "the redelivery counted",
         Duration::from_secs(30),
-        || async {
-            let m = common::metrics(admin).await;
+        admin,
+        |m| {
             common::sample(
-                &m,
+                m,
                 r#"idem_duplicates_total{origin="redelivery",tool="send_email"}"#,
             ) == 1.0
         },
@@ -474,14 +474,14 @@ async fn one_intent_published_eighteen_times_runs_once() {
             .count(),
         5
     );
-    common::eventually(
+    common::eventually_metrics(
         "17 repeats counted by origin",
         Duration::from_secs(20),
-        || async {
-            let m = common::metrics(relay.admin()).await;
+        relay.admin(),
+        |m| {
             let by = |o: &str| {
                 common::sample(
-                    &m,
+                    m,
                     &format!(r#"idem_duplicates_total{{origin="{o}",tool="send_email"}}"#),
                 )
             };

@@ -166,13 +166,11 @@ async fn an_approved_calls_outcome_waits_for_the_pending_approval_before_it() {
     )
     .await
     .unwrap();
-    common::eventually(
+    common::eventually_metrics(
         "the approved call's outcome held back",
         Duration::from_secs(30),
-        || async {
-            let m = common::metrics(relay.admin()).await;
-            common::sample(&m, "idem_outbox_held_back_total") >= 1.0
-        },
+        relay.admin(),
+        |m| common::sample(m, "idem_outbox_held_back_total") >= 1.0,
     )
     .await;
     assert_eq!(env.downstream.effects(key), 1);

@@ -274,11 +274,11 @@ async fn explain_shows_a_timeout_a_verify_and_a_duplicate() {
         1.0
     );
     // Consumer lag comes from librdkafka's statistics, emitted every five seconds.
-    common::eventually(
+    common::eventually_metrics(
         "consumer lag per partition",
         std::time::Duration::from_secs(30),
-        || async {
-            let m = common::metrics(relay.admin()).await;
+        relay.admin(),
+        |m| {
             (0..6).all(|p| {
                 m.contains(&format!(
                     "idem_consumer_lag{{group=\"{}\",partition=\"{p}\",topic=\"{}\"}} 0",

@@ -186,13 +186,11 @@ async fn connections_to_postgres_cut_for_ten_seconds_lose_nothing_and_repeat_not
 
     proxy.set(ProxyMode::Cut);
     let flow = send_200_over_ten_seconds(&p, "c");
-    let noticed = common::eventually(
+    let noticed = common::eventually_metrics(
         "the relay to report that it cannot write",
         Duration::from_secs(30),
-        || async {
-            let m = common::metrics(relay.admin()).await;
-            m.lines().any(|l| l == "idem_postgres_writable 0")
-        },
+        relay.admin(),
+        |m| m.lines().any(|l| l == "idem_postgres_writable 0"),
     );
     let (ids, ()) = tokio::join!(flow, noticed);
     assert!(
@@ -227,13 +225,11 @@ async fn postgres_stopped_for_seventy_seconds_loses_nothing_and_repeats_nothing(
 
     let cluster = common::stop_postgres();
     let ids = send_200_over_ten_seconds(&p, "s").await;
-    common::eventually(
+    common::eventually_metrics(
         "the relay to report that it cannot write",
         Duration::from_secs(30),
-        || async {
-            let m = common::metrics(relay.admin()).await;
-            m.lines().any(|l| l == "idem_postgres_writable 0")
-        },
+        relay.admin(),
+        |m| m.lines().any(|l| l == "idem_postgres_writable 0"),
     )
     .await;
     let (status, body) = readyz(relay.admin()).await;

@@ -93,17 +93,17 @@ async fn the_same_event_twice_and_a_replay_execute_once() {
             .contains("not repeated. Do not retry."),
         "{dup}"
     );
-    common::eventually(
+    common::eventually_metrics(
         "the producer retry to be counted",
         Duration::from_secs(20),
-        || async {
-            let m = common::metrics(relay.admin()).await;
+        relay.admin(),
+        |m| {
             common::sample(
-                &m,
+                m,
                 r#"idem_duplicates_total{origin="producer_retry",tool="send_email"}"#,
             ) == 1.0
                 && common::sample(
-                    &m,
+                    m,
                     r#"idem_duplicates_total{origin="replay",tool="send_email"}"#,
                 ) == 1.0
         },
@@ -1601,13 +1601,11 @@ async fn a_dead_letter_that_cannot_be_written_rewinds_its_batch_and_loses_nothin
     p.send_raw(Some("k"), b"not json at all", OwnedHeaders::new())
         .await;
     p.send(&action("valid", email("dl", "b1", "hello"))).await;
-    common::eventually(
+    common::eventually_metrics(
         "a dead letter given up on",
         Duration::from_secs(120),
-        || async {
-            let m = common::metrics(relay.admin()).await;
-            common::sample(&m, "idem_dead_letters_failed_total") >= 1.0
-        },
+        relay.admin(),
+        |m| common::sample(m, "idem_dead_letters_failed_total") >= 1.0,
     )
     .await;
     assert!(

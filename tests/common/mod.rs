@@ -390,6 +390,23 @@ where
     }
 }
 
+/// Polls the metrics the relay at `admin` serves (Prometheus text) until `check` holds of them
+/// or the deadline passes.
+pub async fn eventually_metrics(
+    what: &str,
+    within: Duration,
+    admin: std::net::SocketAddr,
+    check: impl Fn(&str) -> bool,
+) {
+    let check = &check;
+    eventually(
+        what,
+        within,
+        move || async move { check(&metrics(admin).await) },
+    )
+    .await
+}
+
 pub async fn metrics(addr: std::net::SocketAddr) -> String {
     reqwest::get(format!("http://{addr}/metrics"))
         .await
