@@ -14,6 +14,7 @@ the downstream's effects differ from the calls made.
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import sys
 import tempfile
@@ -30,18 +31,30 @@ from idem_client import Idem  # noqa: E402
 ARGS = {"to": "customer-1", "template": "refund_approved"}
 
 
+def quantile(sorted_ms: list[float], q: float) -> float:
+    return sorted_ms[min(len(sorted_ms) - 1, int(len(sorted_ms) * q))]
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description="One agent's calls through the Python client.")
     parser.add_argument("--calls", type=int, default=300, help="measured calls per client")
     parser.add_argument("--warmup", type=int, default=20, help="unmeasured calls per client first")
     parser.add_argument("--linger", default="0", help="comma-separated linger.ms, a client each")
     opts = parser.parse_args()
     lingers = [int(v) for v in opts.linger.split(",")]
-    stack = Stack(Path(tempfile.mkdtemp(prefix="client_calls_")))
+    if len(set(lingers)) != len(lingers):
+        parser.error(f"--linger names a value twice: {opts.linger}")
+    tmp = Path(tempfile.mkdtemp(prefix="client_calls_"))
+    stack = Stack(tmp)
     try:
         clients = {
-            ms: Idem(BROKERS, stack.actions, stack.outcomes, source="client-calls",
-                     kafka_config={"linger.ms": ms})
+            ms: Idem(
+                BROKERS,
+                stack.actions,
+                stack.outcomes,
+                source="client-calls",
+                kafka_config={"linger.ms": ms},
+            )
             for ms in lingers
         }
         run = uuid.uuid4().hex[:12]
@@ -61,16 +74,16 @@ def main() -> None:
         effects = stack.effects()
         for ms, ts in took.items():
             ts.sort()
-            at = lambda q: ts[min(len(ts) - 1, int(len(ts) * q))]  # noqa: E731
             print(
                 f"linger.ms={ms}: {len(ts)} calls, p50 {statistics.median(ts):.2f} ms, "
-                f"p90 {at(0.9):.2f}, p99 {at(0.99):.2f}"
+                f"p90 {quantile(ts, 0.9):.2f}, p99 {quantile(ts, 0.99):.2f}"
             )
         print(f"effects == calls: {effects} == {made}")
         if effects != made:
             sys.exit("the downstream's effects differ from the calls made")
     finally:
         stack.close()
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -149,6 +149,19 @@ executor = { kind = "http", url = "http://127.0.0.1:8787/v1/send_email" }
     }
 
     #[test]
+    fn librdkafkas_other_names_for_what_idem_sets_are_refused_as_the_names_are() {
+        // Both names set, librdkafka would take whichever came last out of a hash map.
+        let e = err("[kafka.producer]\n\"request.required.acks\" = \"1\"\n");
+        assert!(e.contains("`kafka.producer.request.required.acks`"), "{e}");
+        assert!(e.contains("cannot be overridden"), "{e}");
+        let e = err("[kafka.client]\n\"request.required.acks\" = \"0\"\n");
+        assert!(e.contains("`kafka.client.request.required.acks`"), "{e}");
+        let e = err("[kafka.consumer]\n\"metadata.broker.list\" = \"b:1\"\n");
+        assert!(e.contains("`kafka.consumer.metadata.broker.list`"), "{e}");
+        assert!(e.contains("kafka.brokers"), "{e}");
+    }
+
+    #[test]
     fn kafka_secrets_come_from_a_file_or_the_environment_and_debug_never_shows_them() {
         let dir = std::env::temp_dir().join(format!("idem-secret-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();

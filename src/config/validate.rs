@@ -120,9 +120,12 @@ impl Config {
                 "must differ from outcomes_topic",
             ));
         }
+        // With librdkafka's other name for a property (`request.required.acks` for `acks`),
+        // both would be set, and librdkafka would take whichever was set last: the order of a
+        // hash map's keys.
         let consumer_only = ["enable.auto.offset.store", "group.id"];
-        let producer_only = ["enable.idempotence", "acks"];
-        let every = [consumer_only, producer_only].concat();
+        let producer_only = ["enable.idempotence", "acks", "request.required.acks"];
+        let every = [consumer_only.as_slice(), producer_only.as_slice()].concat();
         for (name, map, reserved) in [
             ("client", &k.client, every.as_slice()),
             ("consumer", &k.consumer, consumer_only.as_slice()),
@@ -134,9 +137,10 @@ impl Config {
                     "is set by idem for exactly-once delivery and cannot be overridden",
                 ));
             }
-            if map.contains_key("bootstrap.servers") {
+            let brokers = ["bootstrap.servers", "metadata.broker.list"];
+            if let Some(key) = brokers.iter().find(|b| map.contains_key(**b)) {
                 return Err(invalid(
-                    format!("kafka.{name}.bootstrap.servers"),
+                    format!("kafka.{name}.{key}"),
                     "comes from kafka.brokers (or IDEM_KAFKA_BROKERS)",
                 ));
             }

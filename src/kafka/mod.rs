@@ -1,6 +1,7 @@
 //! Kafka clients as idem needs them: a consumer that stores offsets only when told, an
 //! idempotent producer, topic creation at start, and lag from librdkafka statistics.
 
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -133,15 +134,39 @@ pub fn client_config(cfg: &KafkaConfig) -> ClientConfig {
     c
 }
 
-/// Sets `defaults` where the client section has not set them already.
+/// librdkafka's two names for properties idem sets by default.
+const ALIASES: &[(&str, &str)] = &[
+    ("linger.ms", "queue.buffering.max.ms"),
+    ("compression.type", "compression.codec"),
+    ("message.timeout.ms", "delivery.timeout.ms"),
+    ("enable.auto.commit", "auto.commit.enable"),
+];
+
+/// Sets `defaults` where the operator has not set them, under their name or librdkafka's other
+/// one, in the client section or in `section` (the consumer's or the producer's own). A default
+/// set beside the operator's value under the other name would leave which one librdkafka takes
+/// to the order a hash map's keys come out in.
 pub(crate) fn with_defaults(
     mut c: ClientConfig,
-    cfg: &KafkaConfig,
+    client: &BTreeMap<String, String>,
+    section: &BTreeMap<String, String>,
     defaults: &[(&str, &str)],
 ) -> ClientConfig {
-    for (k, v) in defaults {
-        if !cfg.client.contains_key(*k) {
-            c.set(*k, *v);
+    for &(k, v) in defaults {
+        let other = ALIASES.iter().find_map(|&(a, b)| {
+            if k == a {
+                Some(b)
+            } else if k == b {
+                Some(a)
+            } else {
+                None
+            }
+        });
+        let set = std::iter::once(k)
+            .chain(other)
+            .any(|name| client.contains_key(name) || section.contains_key(name));
+        if !set {
+            c.set(k, v);
         }
     }
     c
@@ -150,7 +175,8 @@ pub(crate) fn with_defaults(
 pub fn consumer(cfg: &KafkaConfig, context: RelayContext) -> Result<ActionConsumer, KafkaError> {
     let mut c = with_defaults(
         client_config(cfg),
-        cfg,
+        &cfg.client,
+        &cfg.consumer_overrides,
         &[
             ("client.id", "idem-relay"),
             ("auto.offset.reset", "earliest"),
@@ -176,7 +202,8 @@ pub fn consumer(cfg: &KafkaConfig, context: RelayContext) -> Result<ActionConsum
 pub fn producer(cfg: &KafkaConfig) -> Result<FutureProducer, KafkaError> {
     let mut c = with_defaults(
         client_config(cfg),
-        cfg,
+        &cfg.client,
+        &cfg.producer_overrides,
         &[
             ("client.id", "idem-relay"),
             // No linger: the outbox publisher hands over a whole round of rows at once, so
@@ -383,7 +410,27 @@ fn probe_blocking(cfg: &KafkaConfig) -> Result<(), ConnectError> {
 
 #[cfg(test)]
 mod tests {
-    use super::partition_lag;
+    use std::collections::BTreeMap;
+
+    use rdkafka::config::ClientConfig;
+
+    use super::{partition_lag, with_defaults};
+
+    #[test]
+    fn a_default_stays_out_where_the_operator_set_it_under_either_name_or_section() {
+        let map = |k: &str| BTreeMap::from([(k.to_string(), "5".to_string())]);
+        let none = BTreeMap::new();
+        let linger = |client: &BTreeMap<String, String>, section: &BTreeMap<String, String>| {
+            let c = with_defaults(ClientConfig::new(), client, section, &[("linger.ms", "0")]);
+            c.get("linger.ms").map(str::to_string)
+        };
+        assert_eq!(linger(&none, &none).as_deref(), Some("0"));
+        assert_eq!(linger(&map("linger.ms"), &none), None);
+        assert_eq!(linger(&map("queue.buffering.max.ms"), &none), None);
+        assert_eq!(linger(&none, &map("queue.buffering.max.ms")), None);
+        assert_eq!(linger(&none, &map("linger.ms")), None);
+        assert_eq!(linger(&map("batch.size"), &none).as_deref(), Some("0"));
+    }
 
     #[test]
     fn lag_is_librdkafkas_own_once_there_is_a_position() {

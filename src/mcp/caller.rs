@@ -77,7 +77,8 @@ impl Caller {
         // client, whose producer is the same librdkafka (`benches/client_calls.py`).
         let producer: FutureProducer = crate::kafka::with_defaults(
             crate::kafka::client_config(kafka),
-            kafka,
+            &kafka.client,
+            &Default::default(),
             &[("linger.ms", "0")],
         )
         .set("client.id", "idem-mcp")

@@ -1,6 +1,6 @@
 """A real idem stack for tests: the relay binary, the fake downstream that counts effects, and
-the local Kafka and Postgres (``deploy/local/services.sh up`` starts them). The client's tests
-and the MCP tests (``tests/mcp``) use it."""
+the local Kafka and Postgres (``deploy/local/services.sh up`` starts them). The client's tests,
+the MCP tests (``tests/mcp``) and the client's benchmark (``benches/client_calls.py``) use it."""
 
 from __future__ import annotations
 

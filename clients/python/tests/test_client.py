@@ -1,5 +1,5 @@
 """The Python client against the real relay, Kafka and Postgres; effects counted at a
-downstream that does not dedupe."""
+downstream that does not dedupe. (And one test of the producer's settings alone.)"""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from idem_client import (
     PendingApproval,
     Rejected,
 )
+from idem_client._client import _producer_config
 
 EMAIL = {"to": "customer-1", "template": "refund_approved", "subject": "Your refund"}
 
@@ -167,8 +168,6 @@ def test_an_unknown_outcome_is_raised_never_retried(stack: Stack, idem: Idem, ru
 
 
 def test_the_callers_kafka_config_sets_the_linger_but_not_the_delivery_guarantees() -> None:
-    from idem_client._client import _producer_config
-
     assert _producer_config({"bootstrap.servers": "b:9092"})["linger.ms"] == 0
     mine = _producer_config(
         {"bootstrap.servers": "b:9092", "linger.ms": 5, "acks": "1", "enable.idempotence": False}
