@@ -139,7 +139,6 @@ const ALIASES: &[(&str, &str)] = &[
     ("linger.ms", "queue.buffering.max.ms"),
     ("compression.type", "compression.codec"),
     ("message.timeout.ms", "delivery.timeout.ms"),
-    ("enable.auto.commit", "auto.commit.enable"),
 ];
 
 /// Sets `defaults` where the operator has not set them, under their name or librdkafka's other
