@@ -41,7 +41,9 @@ impl Fresh {
 
     /// Intents `1..=n` of a dangerous tool, in id order: key `k{g}`, action event `e{g}` at
     /// offset `g`, `traceparent` `tp-k{g}`, with the status the SQL expression `status` gives
-    /// for `g`; those for which `leased` is true hold a live lease (epoch 1) of `relay-1`.
+    /// for `g`; those for which `leased` is true hold a live lease (epoch 1) of `relay-1`. The
+    /// fill is not bounded by the data path's `statement_timeout`: two million rows took longer
+    /// than its 30 s on a busy host.
     pub async fn intents(&self, n: i64, status: &str, leased: &str) {
         let fill = format!(
             "insert into intents (idempotency_key, tool, class, run_id, args, material,
@@ -55,7 +57,12 @@ impl Fresh {
                     case when {leased} then 1 else 0 end
                from generate_series(1, {n}) g"
         );
-        self.pg.batch_execute(&fill).await.expect("intents");
+        self.pg
+            .batch_execute(&format!(
+                "begin; set local statement_timeout = 0; {fill}; commit"
+            ))
+            .await
+            .expect("intents");
     }
 
     /// The rows of `sql` (simple protocol), each as (column, text) pairs.
