@@ -91,6 +91,11 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "0015_dead_letters_by_age",
         include_str!("../../schemas/postgres/0015_dead_letters_by_age.sql"),
     ),
+    (
+        16,
+        "0016_key_indexes_by_hash",
+        include_str!("../../schemas/postgres/0016_key_indexes_by_hash.sql"),
+    ),
 ];
 
 /// Lets `?` turn a driver error into a stage's error whose `Db` variant wraps [`DbError`]: the

@@ -190,14 +190,18 @@ mod tests {
     async fn a_prune_batch_reads_the_expired_keys_not_every_intent() {
         use crate::db::plans::{rows_read, Fresh};
         let db = Fresh::new().await;
-        // A hundred thousand keys of five tools finished over eight days, analyzed; then the
-        // expired ones pruned (and those an hour from expiring) but the last hundred of one tool.
+        // A hundred thousand keys of five tools finished over eight days, each with its
+        // published outcome, analyzed; then the expired ones pruned (and those an hour from
+        // expiring) but the last hundred of one tool, whose outcomes are left as well.
         db.intents(100_000, "'succeeded'", "false").await;
         db.pg
             .batch_execute(
                 "update intents set tool = 'tool' || (id % 5), run_id = 'r' || (id % 20000),
                                     finished_at = now() - make_interval(secs => (100000 - id) * 6.912);
-                 analyze intents;
+                 insert into outbox (event_id, kafka_key, payload)
+                 select 'o' || id, idempotency_key, '{}' from intents;
+                 delete from outbox_pending;
+                 analyze intents, outbox;
                  delete from intents where finished_at < now() - interval '167 hours'
                     and id not in (select id from intents
                                     where tool = 'tool0'
@@ -216,13 +220,27 @@ mod tests {
         let week = 7.0 * 86_400.0;
         let batch = format!("execute p('tool0', {week}, {week}, 250)");
 
-        let pruned = db.rows(&format!("begin; {batch}; rollback")).await;
+        let pruned = db
+            .rows(&format!(
+                "begin; {batch}; select count(*) as left from outbox; rollback"
+            ))
+            .await;
         assert_eq!(pruned[0][0].1, "100");
+        assert_eq!(
+            pruned[1][0].1, "99900",
+            "the 100 keys' outcomes pruned with them"
+        );
         let plan = db.explain(&batch).await;
         let n = rows_read(&plan, "intents");
         assert!(
             n <= 250.0,
             "a batch read {n} intents to prune the last 100 expired of 87,500: {plan:#}"
+        );
+        // Their outcomes go with them, found by key (a hash index since migration 16).
+        let n = rows_read(&plan, "outbox");
+        assert!(
+            n <= 250.0,
+            "a batch read {n} outbox rows to prune the outcomes of 100 keys of 100,000: {plan:#}"
         );
         db.drop().await;
     }

@@ -120,3 +120,51 @@ pub(crate) const REJECT_NEW: &str = "
     update intents set status = 'rejected', error = $2, finished_at = now(), updated_at = now(),
                        lease_owner = null, lease_expires_at = null
      where id = $1";
+
+#[cfg(test)]
+mod tests {
+    use super::SELECT_SEEN_EVENTS;
+    use crate::db::plans::{rows_read, Fresh};
+
+    // Every action message's event id is looked up among the deliveries (a redelivered record
+    // is told by it), through a hash index since migration 16. A hash index serves
+    // `= any($1)` only through a bitmap scan, one probe per id: the data path's generic plan,
+    // made while the table was empty, must take it once the deliveries have grown, and read
+    // the rows of the ids found, not the table.
+    #[tokio::test]
+    async fn a_batchs_seen_event_read_probes_the_event_index_for_each_id() {
+        let db = Fresh::new().await;
+        let prepare = format!("prepare p(text[]) as {SELECT_SEEN_EVENTS}");
+        db.pg.batch_execute(&prepare).await.expect("prepare");
+        let ids: Vec<String> = (49_996..50_496).map(|g| format!("e{g}")).collect();
+        let batch = format!("execute p('{{{}}}')", ids.join(","));
+        let batch = batch.as_str();
+        assert!(db.rows(batch).await.is_empty(), "planned on no deliveries");
+        db.pg
+            .batch_execute(
+                "insert into deliveries (intent_id, idempotency_key, action_event_id,
+                                         source_topic, source_partition, source_offset,
+                                         origin, answered)
+                 select g, 'k' || g, 'e' || g, 'actions', 0, g, 'replay', true
+                   from generate_series(1, 50000) g",
+            )
+            .await
+            .expect("fill");
+
+        let found = db.rows(batch).await;
+        let ids: Vec<&str> = found.iter().map(|r| r[0].1.as_str()).collect();
+        assert_eq!(ids.len(), 5, "e49996 to e50000 of 500 ids: {ids:?}");
+        let plan = db.explain(batch).await;
+        let n = rows_read(&plan, "deliveries");
+        assert!(
+            n <= 10.0,
+            "500 ids, 5 of them among 50,000 deliveries, read {n} deliveries: {plan:#}"
+        );
+        assert!(
+            plan.to_string()
+                .contains(r#""Index Name":"deliveries_event""#),
+            "the read goes through the event index: {plan:#}"
+        );
+        db.drop().await;
+    }
+}
