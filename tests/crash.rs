@@ -553,7 +553,7 @@ async fn two_relays_one_killed_repeatedly_lose_nothing_and_repeat_nothing() {
         }
     };
     tokio::join!(send, chaos);
-    outcomes
+    let answers = outcomes
         .wait_for("every action answered", Duration::from_secs(180), |all| {
             let answered: HashSet<&str> = all
                 .iter()
@@ -562,10 +562,18 @@ async fn two_relays_one_killed_repeatedly_lose_nothing_and_repeat_nothing() {
             (0..2000).all(|i| answered.contains(format!("e{i}").as_str()))
         })
         .await;
+    // What the answers said, for a failure's message: a call that timed out on every attempt
+    // and was verified as never made is answered `failed`, with no effect.
+    let mut said = std::collections::BTreeMap::<String, usize>::new();
+    for a in &answers {
+        let status = a["data"]["status"].as_str().unwrap_or("?");
+        let error = a["data"]["error"]["code"].as_str().unwrap_or("");
+        *said.entry(format!("{status} {error}")).or_default() += 1;
+    }
     assert_eq!(
         env.downstream.total_effects(),
         2000,
-        "repeated: {:?}",
+        "repeated: {:?}; the answers: {said:?}",
         env.downstream.repeated_keys()
     );
     let pg = env.pg().await;

@@ -93,10 +93,14 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
     ),
     (
         16,
-        "0016_key_indexes_by_hash",
-        include_str!("../../schemas/postgres/0016_key_indexes_by_hash.sql"),
+        "0016_deliveries_event_hash",
+        include_str!("../../schemas/postgres/0016_deliveries_event_hash.sql"),
     ),
 ];
+
+/// The locks of [`MIGRATIONS`] that `migrate` takes before any pending migration runs (each
+/// also takes its own, for a schema applied by hand): (migration, its lock statement).
+const FIRST_LOCKS: &[(i32, &str)] = &[(16, "lock table deliveries in access exclusive mode")];
 
 /// Lets `?` turn a driver error into a stage's error whose `Db` variant wraps [`DbError`]: the
 /// one conversion, written once.
@@ -543,6 +547,17 @@ async fn migrate_once(cfg: &PostgresConfig) -> Result<Vec<i32>, DbError> {
         .iter()
         .map(|r| r.get(0))
         .collect();
+    // Locks a pending migration needs, taken before any pending migration runs: taken later,
+    // after an earlier one's weaker lock on the same table, the upgrade would wait for a relay's
+    // batch that read the table and waits to write it behind that weaker lock (a deadlock).
+    // A new schema has no tables yet, and no relay.
+    if !applied.is_empty() {
+        for (version, lock) in FIRST_LOCKS {
+            if !applied.contains(version) {
+                tx.batch_execute(lock).await?;
+            }
+        }
+    }
     let mut newly = Vec::new();
     for (version, name, sql) in MIGRATIONS {
         if applied.contains(version) {
@@ -568,6 +583,80 @@ pub fn latest_version() -> i32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    // A relay's batch reads the deliveries (its seen events), then writes them. From migration
+    // 14, migrations 15 and 16 run in one transaction: 15 builds an index (its lock lets reads
+    // through but not writes), and 16 needs the table to itself. A batch that had read the
+    // deliveries and waited to write them behind 15's build, while 16 waited for the batch's
+    // read to end, would deadlock with it (one of the two aborted). `idem migrate` beside such
+    // a batch must apply both, and the batch must write.
+    #[tokio::test]
+    async fn migrating_from_14_beside_a_batch_that_read_the_deliveries_does_not_deadlock() {
+        let db = plans::Fresh::new().await;
+        db.pg
+            .batch_execute(
+                "drop index deliveries_dead_letters;
+                 drop index deliveries_event;
+                 create index deliveries_event on deliveries (action_event_id);
+                 delete from idem_schema_versions where version in (15, 16);",
+            )
+            .await
+            .expect("back to migration 14");
+        let batch = data_path_pool(&db.cfg)
+            .expect("pool")
+            .get()
+            .await
+            .expect("connection");
+        batch
+            .batch_execute("begin; select count(*) from deliveries")
+            .await
+            .expect("the batch's read");
+        let migration = tokio::spawn({
+            let cfg = db.cfg.clone();
+            async move { migrate(&cfg).await }
+        });
+        let waiting = "select count(*) from pg_locks l
+                         join pg_class c on c.oid = l.relation
+                         join pg_namespace n on n.oid = c.relnamespace
+                        where n.nspname = $1 and c.relname = 'deliveries' and not l.granted";
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            let row = db
+                .pg
+                .query_one(waiting, &[&db.schema])
+                .await
+                .expect("locks");
+            if row.get::<_, i64>(0) > 0 {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the migration never waited for the batch's read to end"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+
+        let wrote = batch
+            .batch_execute(
+                "insert into deliveries (intent_id, idempotency_key, action_event_id,
+                                         source_topic, source_partition, source_offset, origin,
+                                         answered)
+                 values (null, 'k1', 'e1', 'actions', 0, 1, 'replay', true);
+                 commit",
+            )
+            .await;
+        let applied = migration.await.expect("the migration's task");
+        assert!(wrote.is_ok(), "the batch's write: {wrote:?}");
+        assert_eq!(applied.expect("migrate"), vec![15, 16]);
+        let method = db
+            .rows(
+                "select a.amname from pg_class c join pg_am a on a.oid = c.relam
+                  where c.relname = 'deliveries_event' and c.relnamespace = current_schema()::regnamespace",
+            )
+            .await;
+        assert_eq!(method[0][0].1, "hash");
+        db.drop().await;
+    }
 
     // The relay's maintenance connections plan as the server does (not as the data path) and
     // bound every statement, its lock waits too.

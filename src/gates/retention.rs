@@ -236,7 +236,7 @@ mod tests {
             n <= 250.0,
             "a batch read {n} intents to prune the last 100 expired of 87,500: {plan:#}"
         );
-        // Their outcomes go with them, found by key (a hash index since migration 16).
+        // Their outcomes go with them, found by key.
         let n = rows_read(&plan, "outbox");
         assert!(
             n <= 250.0,

@@ -186,14 +186,11 @@ const DEQUEUE_HANDED: &str = "
 // Of the keys of handed rows that follow an earlier status change ($1), those with a queued row
 // before this round's last row ($3) that is not this round's ($2): that row goes first, so the
 // round leaves these keys' rows queued. By the key's index: a key has a row per status change
-// and per repeat answered through the outbox. That index is a hash index (migration 16), which
-// serves `= any($1)` as a bitmap scan, a probe per key; a generic plan made on a small outbox
-// priced a walk of the primary key below the round's last row cheaper (10,099 rows read for
-// 100 keys in the test below), so the id is compared as an expression no index serves.
+// and per repeat answered through the outbox.
 const KEYS_BEHIND: &str = "
     select distinct o.kafka_key
       from outbox o
-     where o.kafka_key = any($1) and o.id + 0 < $3 and o.id <> all($2)
+     where o.kafka_key = any($1) and o.id < $3 and o.id <> all($2)
        and exists (select 1 from outbox_pending p where p.id = o.id)";
 
 // Handed rows taken out of the queue that Kafka did not acknowledge: back in, for a poll.
@@ -503,10 +500,9 @@ mod tests {
     }
 
     // Handed rows whose keys follow an earlier status change ask which of those keys still
-    // have an earlier row queued, through the outbox's index by key (a hash index since
-    // migration 16, which serves `= any($1)` only as a bitmap scan). The generic plan, made on
+    // have an earlier row queued, through the outbox's index by key. The generic plan, made on
     // an empty outbox, must probe the index for the keys asked, not walk the outbox's ids below
-    // the round's last.
+    // the round's last (as it did with a hash index on the key, a draft of stop 44).
     #[tokio::test]
     async fn a_rounds_keys_behind_are_found_by_key_whatever_the_outbox_held_at_planning() {
         use crate::db::plans::{rows_read, Fresh};
