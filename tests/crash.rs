@@ -562,8 +562,8 @@ async fn two_relays_one_killed_repeatedly_lose_nothing_and_repeat_nothing() {
             (0..2000).all(|i| answered.contains(format!("e{i}").as_str()))
         })
         .await;
-    // What the answers said, for a failure's message: a call that timed out on every attempt
-    // and was verified as never made is answered `failed`, with no effect.
+    // What the answers said (status and error code, counted), for a failure's message: whether
+    // actions with no effect were answered as failures or as successes.
     let mut said = std::collections::BTreeMap::<String, usize>::new();
     for a in &answers {
         let status = a["data"]["status"].as_str().unwrap_or("?");
