@@ -142,7 +142,12 @@ async fn an_approved_calls_outcome_waits_for_the_pending_approval_before_it() {
     let pg = env.pg().await;
     let parked = "select id from outbox where kafka_key = $1";
     let holder = env.pg().await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
     loop {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the published row was never held: poll rounds took it every time"
+        );
         pg.execute(
             &format!("insert into outbox_pending (id) {parked} on conflict do nothing"),
             &[&key],
