@@ -64,6 +64,9 @@ struct Opts {
     /// A paced run publishes a tick's actions at once, every `tick_ms`: 10 sends bursts of a
     /// hundredth of a second's actions, 1 a stream closer to steady.
     tick_ms: u64,
+    /// The load generator's producer `linger.ms`: by default 1 paced (an agent sends one call at
+    /// a time; earlier stops' numbers were measured so), 5 flat out (the producer batches).
+    send_linger_ms: u64,
     /// Finished keys written into idem's tables before the run (growth).
     prefill: usize,
     /// idem's `relay.prune_interval`: `1s` prunes the prefilled keys (30 days old, past the
@@ -99,6 +102,7 @@ fn parse() -> Opts {
         concurrency: num("--concurrency", 256),
         rate: num("--rate", 0),
         tick_ms: num("--tick-ms", 10).max(1) as u64,
+        send_linger_ms: num("--send-linger-ms", if num("--rate", 0) > 0 { 1 } else { 5 }) as u64,
         prefill: num("--prefill", 0),
         prune_interval: get("--prune-interval"),
         prune_share: get("--prune-share").map_or(0.1, |v| v.parse().expect("a share")),
@@ -190,7 +194,7 @@ fn check(r: &Report) {
 
 fn print_table(opts: &Opts, reports: &[Report]) {
     println!(
-        "\nworkload: {} dup ratio, {} ms downstream, {} partitions ({} for outcomes), {} B args, concurrency {}, rate {}{}{}",
+        "\nworkload: {} dup ratio, {} ms downstream, {} partitions ({} for outcomes), {} B args, concurrency {}, rate {}{}, sends lingering {} ms{}",
         opts.dup,
         opts.latency_ms,
         opts.partitions,
@@ -199,6 +203,7 @@ fn print_table(opts: &Opts, reports: &[Report]) {
         opts.concurrency,
         if opts.rate == 0 { "flat out".to_string() } else { format!("{}/s", opts.rate) },
         if opts.rate == 0 { String::new() } else { format!(" in {} ms ticks", opts.tick_ms) },
+        opts.send_linger_ms,
         if opts.full { "" } else { " (smoke)" }
     );
     println!("| mode | actions | actions/s | ratio to idem | p50 ms | p99 ms | p99.9 ms | relay CPU s | peak RSS MiB | PG commits/action | effects == distinct keys |");
@@ -1105,9 +1110,7 @@ listen = "127.0.0.1:0"
         slow_ids,
     } = workload(n, opts.dup, opts.payload, opts.slow_share, &base);
     let producer: FutureProducer = bench_client()
-        // Paced, an action waits at most a millisecond in the producer (an agent sends one
-        // call at a time); flat out, the producer batches.
-        .set("linger.ms", if opts.rate > 0 { "1" } else { "5" })
+        .set("linger.ms", opts.send_linger_ms.to_string())
         .set("enable.idempotence", "true")
         .create()
         .unwrap();
