@@ -1598,7 +1598,11 @@ async fn a_dead_letter_that_cannot_be_written_rewinds_its_batch_and_loses_nothin
     let outcomes = env.outcomes().await;
     let relay = env.start(config.clone()).await;
     let p = env.producer();
-    p.send_raw(Some("k"), b"not json at all", OwnedHeaders::new())
+    // The bad message under the valid one's Kafka key (its run id), so both are in one
+    // partition, the bad one first: the valid one cannot be recorded until the bad one is
+    // dead-lettered. (Under another key, in another partition, it could be read in a batch of
+    // its own, recorded and executed while the bad one's partition waits, as it should.)
+    p.send_raw(Some("dl"), b"not json at all", OwnedHeaders::new())
         .await;
     p.send(&action("valid", email("dl", "b1", "hello"))).await;
     common::eventually_metrics(
