@@ -36,6 +36,10 @@ fn invalid(field: impl Into<String>, reason: impl Into<String>) -> ConfigError {
 /// Environment variables that override the file.
 pub const ENV_KAFKA_BROKERS: &str = "IDEM_KAFKA_BROKERS";
 pub const ENV_POSTGRES_URL: &str = "IDEM_POSTGRES_URL";
+/// The shortest retention a tool may have (`tools[].retention`): keys must outlive the longest
+/// pause, and a repeat reads a key settled within half of it without a share lock
+/// (`settled_unlocked!` in `intent::sql`).
+pub const MIN_RETENTION: std::time::Duration = std::time::Duration::from_secs(24 * 3600);
 /// A file holding the Postgres URL (a mounted Secret); `IDEM_POSTGRES_URL` wins.
 pub const ENV_POSTGRES_URL_FILE: &str = "IDEM_POSTGRES_URL_FILE";
 

@@ -468,7 +468,7 @@ fn validate_tool(i: usize, t: RawTool, relay_concurrency: usize) -> Result<Tool,
         t.approval_timeout.as_deref().unwrap_or("24h"),
     )?;
     let retention = duration(&at("retention"), t.retention.as_deref().unwrap_or("7d"))?;
-    if retention < Duration::from_secs(24 * 3600) {
+    if retention < super::MIN_RETENTION {
         return Err(invalid(
             at("retention"),
             "must be at least 24h: keys must outlive the longest pause",

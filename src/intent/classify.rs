@@ -5,10 +5,10 @@
 //! Two questions, asked at two points of [`record_batch`](super::record_batch):
 //! - [`arrivals`], before any key is read: was this record, or this event id, seen before, and is
 //!   this the first message of its key in the batch?
-//! - [`repeat`], after the stored key is read under a share lock: is a repeat the record the key
-//!   was first recorded from, the producer's retry, a replay, a model's reworded retry, or a
-//!   conflict? (A key's first delivery is carried by its intent row, so the first question does
-//!   not find it among the deliveries.)
+//! - [`repeat`], after the stored key is read (under a share lock unless it settled recently):
+//!   is a repeat the record the key was first recorded from, the producer's retry, a replay, a
+//!   model's reworded retry, or a conflict? (A key's first delivery is carried by its intent
+//!   row, so the first question does not find it among the deliveries.)
 
 use std::collections::HashSet;
 

@@ -13,7 +13,7 @@ use crate::gates::{self, count_runs, Counted};
 use crate::intent::classify::{self, Arrival, RecordId, Repeat, StoredKey};
 use crate::intent::sql::{
     FAILED_REATTEMPTS, INSERT_DELIVERIES, INSERT_INTENTS, INSERT_INTENTS_OPENING_CALLS,
-    OPEN_FIRST_CALLS, REJECT_NEW, SELECT_KEYS_FOR_SHARE, SELECT_SEEN_EVENTS, TOMBSTONED,
+    OPEN_FIRST_CALLS, REJECT_NEW, SELECT_SEEN_EVENTS, SELECT_STORED_KEYS, TOMBSTONED,
 };
 use crate::intent::Origin;
 use crate::intent::{
@@ -73,7 +73,7 @@ fn parse_error(v: Option<Value>) -> Option<OutcomeError> {
     v.and_then(|v| serde_json::from_value(v).ok())
 }
 
-/// A row of SELECT_KEYS_FOR_SHARE.
+/// A row of SELECT_STORED_KEYS.
 fn stored_key(row: &Row) -> StoredKey {
     let reported = IntentStatus::parse(row.get("status")).and_then(IntentStatus::reported);
     StoredKey {
@@ -798,9 +798,10 @@ async fn record_new<'a>(
     Ok(())
 }
 
-/// The stored state of `keys`, under a share lock (`SELECT_KEYS_FOR_SHARE`).
+/// The stored state of `keys`, those not settled recently under a share lock
+/// (`SELECT_STORED_KEYS`).
 async fn read_keys(tx: &impl GenericClient, keys: &[&str]) -> Result<Vec<Row>, DbError> {
-    let statement = tx.prepare_cached(SELECT_KEYS_FOR_SHARE).await?;
+    let statement = tx.prepare_cached(SELECT_STORED_KEYS).await?;
     Ok(tx.query(&statement, &[&keys]).await?)
 }
 
