@@ -9,6 +9,8 @@
 -- key `for share`, claims, verifications and resolutions lock the intent `for update`. Pruning
 -- takes its intents `for update skip locked`, so it never deletes one such a transaction holds,
 -- and a transaction that comes after it waits and then finds the key gone (a tombstone).
+-- (Since stop 45, a repeat of a key settled within the last 12 hours reads it without the lock:
+-- no prune reaches a key within half the shortest retention, 24 hours.)
 --
 -- The trigger runs once per delete statement, after it, over the deleted rows; its deletes see
 -- what other transactions committed up to then. Relays of migrations 10 and 11 prune through the
