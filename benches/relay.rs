@@ -91,6 +91,7 @@ fn parse() -> Opts {
     };
     let num =
         |name: &str, default: usize| get(name).map_or(default, |v| v.parse().expect("a number"));
+    let rate = num("--rate", 0);
     Opts {
         actions: num("--actions", if full { 20_000 } else { 300 }),
         naive_actions: num("--naive-actions", if full { 2_000 } else { 60 }),
@@ -100,9 +101,9 @@ fn parse() -> Opts {
         outcome_partitions: num("--outcome-partitions", num("--partitions", 6)) as i32,
         payload: num("--payload", 200),
         concurrency: num("--concurrency", 256),
-        rate: num("--rate", 0),
+        rate,
         tick_ms: num("--tick-ms", 10).max(1) as u64,
-        send_linger_ms: num("--send-linger-ms", if num("--rate", 0) > 0 { 1 } else { 5 }) as u64,
+        send_linger_ms: num("--send-linger-ms", if rate > 0 { 1 } else { 5 }) as u64,
         prefill: num("--prefill", 0),
         prune_interval: get("--prune-interval"),
         prune_share: get("--prune-share").map_or(0.1, |v| v.parse().expect("a share")),
